@@ -1,0 +1,30 @@
+# solrl: `make demo` runs the tiny-digits Sol-RL campaign, `make test` the tests.
+# Both create .venv if missing and install from this repo's own files.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# CPU machines pin torch/torchvision (see constraints/cpu.txt). GPU users: install
+# their CUDA torch into .venv first and run `make TORCH_CONSTRAINTS= demo`.
+TORCH_CONSTRAINTS ?= -c constraints/cpu.txt
+export HF_HUB_OFFLINE ?= 1
+export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
+export DO_NOT_TRACK ?= 1
+
+.PHONY: demo test install clean
+
+$(BIN)/.installed: pyproject.toml constraints/cpu.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet $(TORCH_CONSTRAINTS) -e '.[test]'
+	touch $@
+
+install: $(BIN)/.installed
+
+demo: $(BIN)/.installed
+	$(BIN)/solrl run tiny-digits
+
+test: $(BIN)/.installed
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,91 @@
+"""Prefect flows: one Sol-RL iteration (a persisted task per stage) and the campaign over iterations.
+
+Wiring only. Each task runs ``solrl.stages.pipeline.run_stage``, which commits the stage's outputs atomically
+and skips a stage whose committed manifest matches its inputs hash: the cache key is (run id, iteration,
+stage, inputs hash), kept in the run store, not in the Prefect database, so a campaign run again after a
+crash resumes at the first stage without a manifest. Prefect's own result cache is off (``NO_CACHE``) so the
+manifest is the one source of truth. Prefect runs on its embedded server unless ``PREFECT_API_URL`` is set.
+"""
+
+from __future__ import annotations
+
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from solrl.stages.context import StageContext
+from solrl.stages.pipeline import ITERATION, run_stage
+from solrl.storage.runs import open_run, run_lock
+from solrl.storage.tracking import Tracker
+
+#: Images logged to MLflow per iteration, by stage: (file in the stage folder, artifact folder).
+_IMAGES = {"select": ("best_worst.png", "best_worst"), "evaluate": ("samples.png", "eval_samples")}
+
+
+@task(task_run_name="{stage}[{iteration}]", cache_policy=NO_CACHE, persist_result=False, retry_delay_seconds=2)
+def stage_task(store: str, run_id: str, iteration: int, stage: str) -> dict:
+    """Run (or skip) one stage; returns its manifest as a dict."""
+    run = open_run(store, run_id)
+    ctx = StageContext(run.config, run.run_dir, run.run_id, iteration)
+    manifest, skipped = run_stage(ctx, stage)
+    logger = get_run_logger()
+    if skipped:
+        logger.info("iteration %d %s: committed manifest matches inputs %s, skipped", iteration, stage,
+                    manifest.inputs_hash[:12])
+    else:
+        logger.info("iteration %d %s: committed in %.2f s", iteration, stage, manifest.seconds)
+    return {"manifest": manifest.model_dump(mode="json"), "skipped": skipped}
+
+
+def _run_and_track(store: str, run_id: str, iteration: int, stage: str, tracker: Tracker, retries: int) -> dict:
+    result = stage_task.with_options(retries=retries)(store, run_id, iteration, stage)
+    manifest = result["manifest"]
+    if not result["skipped"]:
+        tracker.log_metrics({**manifest["metrics"], f"seconds/{stage}": manifest["seconds"]}, step=iteration)
+        if stage in _IMAGES:
+            run = open_run(store, run_id)
+            name, folder = _IMAGES[stage]
+            image = run.run_dir / f"iter_{iteration:06d}" / stage / name
+            if image.exists():
+                tracker.log_artifact(image, f"{folder}/iter_{iteration:06d}")
+    return result
+
+
+@flow(name="sol-rl-iteration", flow_run_name="{run_id}-iter{iteration}")
+def sol_rl_iteration(store: str, run_id: str, iteration: int) -> dict[str, float]:
+    """One Sol-RL iteration: explore -> score -> select -> regenerate -> score -> update -> checkpoint -> evaluate.
+
+    Returns the metrics of the stages that ran (skipped stages contribute their recorded metrics too).
+    """
+    run = open_run(store, run_id)
+    tracker = Tracker(run.config, run.run_dir, run_id)
+    retries = run.config.campaign.stage_retries
+    metrics: dict[str, float] = {}
+    for stage in ITERATION:
+        if stage.name == "evaluate" and iteration % run.config.campaign.eval_every:
+            continue
+        result = _run_and_track(store, run_id, iteration, stage.name, tracker, retries)
+        metrics.update(result["manifest"]["metrics"])
+    return metrics
+
+
+@flow(name="sol-rl-campaign", flow_run_name="{run_id}")
+def campaign(store: str, run_id: str) -> dict[str, float]:
+    """All iterations of a run, after evaluating the starting policy (iteration 0). Resumable: run it again
+    and committed stages are skipped. Holds the run's lock so two processes never write one run."""
+    run = open_run(store, run_id)
+    logger = get_run_logger()
+    with run_lock(run.run_dir):
+        tracker = Tracker(run.config, run.run_dir, run_id)
+        final = _run_and_track(store, run_id, 0, "evaluate", tracker, run.config.campaign.stage_retries)
+        metrics = dict(final["manifest"]["metrics"])
+        try:
+            for iteration in range(1, run.config.campaign.iterations + 1):
+                metrics = sol_rl_iteration(store, run_id, iteration)
+                shown = {k: round(v, 4) for k, v in metrics.items() if k.startswith(("eval/", "regenerate/reward_m"))}
+                logger.info("iteration %d/%d done: %s", iteration, run.config.campaign.iterations, shown)
+        except BaseException:
+            tracker.finish("FAILED")
+            raise
+        tracker.finish()
+    return metrics
+

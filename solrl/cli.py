@@ -1,0 +1,132 @@
+"""The ``solrl`` command line: run, resume and list Sol-RL campaigns.
+
+Bad input (missing or malformed config, unknown key, odd ``k``, unreadable prompt file, unknown precision,
+unknown run) is one line on stderr, exit code 2, and nothing written.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from solrl.config import ConfigError, load_config
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Sol-RL: FP4 explore, BF16 train. RL post-training of text-to-image flow models.")
+
+StoreOption = Annotated[str, typer.Option("--store", help="Run store (the config's storage.root).")]
+
+
+def _fail(message: str, code: int = 2) -> None:
+    typer.echo(f"solrl: error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def _quiet_environment() -> None:
+    """Defaults for a local, offline run; anything the user set wins."""
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def _launch(store: str, run_id: str) -> None:
+    _quiet_environment()
+    from solrl.flows.sol_rl import campaign
+
+    try:
+        campaign(store, run_id)
+    except ConfigError as exc:
+        _fail(str(exc))
+    except KeyboardInterrupt:
+        _fail(f"interrupted; continue with `solrl resume {run_id} --store {store}`", 130)
+    except Exception as exc:  # the flow already logged the traceback
+        _fail(f"{exc.__class__.__name__}: {exc}\n  committed stages are kept; continue with "
+              f"`solrl resume {run_id} --store {store}`", 1)
+    _report(store, run_id)
+
+
+def _report(store: str, run_id: str) -> None:
+    from solrl.storage.runs import open_run
+    from solrl.storage.tracking import tracking_uri
+
+    run = open_run(store, run_id)
+    uri = tracking_uri(run.config)
+    prefect_home = os.environ.get("PREFECT_HOME", "~/.prefect")
+    typer.echo(f"\nrun {run_id} finished; results in {run.run_dir}\n"
+               f"  per-iteration stages: {run.run_dir}/iter_*/<stage>/ (Zarr pools, Parquet tables, checkpoint)\n"
+               f"  MLflow UI:  mlflow ui --backend-store-uri {uri}\n"
+               f"  Prefect UI: PREFECT_HOME={prefect_home} prefect server start   (then http://127.0.0.1:4200)")
+
+
+@app.command()
+def run(
+    config: Annotated[Optional[str], typer.Argument(help="Preset name (configs/*.yaml) or YAML path.")] = None,
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override: section.key=value (YAML value).")] = None,
+    run_id: Annotated[Optional[str], typer.Option("--run-id", help="Name of the run (default: preset-time-hex).")] = None,
+) -> None:
+    """Start a new campaign from a preset (default tiny-digits)."""
+    try:
+        cfg = load_config(config, set_ or [])
+        from solrl.storage.runs import create_run
+
+        created = create_run(cfg, run_id)
+    except ConfigError as exc:
+        _fail(str(exc))
+    typer.echo(f"run {created.run_id}: {cfg.campaign.iterations} iterations, explore {cfg.explore.precision} "
+               f"pool {cfg.explore.pool_size} -> keep {cfg.select.k}, store {created.run_dir}")
+    _launch(str(created.run_dir.parent), created.run_id)
+
+
+@app.command()
+def resume(run_id: Annotated[str, typer.Argument(help="The run to continue.")], store: StoreOption = "runs") -> None:
+    """Continue a run: committed stages are skipped, the first stage without a manifest runs next."""
+    try:
+        from solrl.storage.runs import open_run
+
+        run_ = open_run(store, run_id)
+    except ConfigError as exc:
+        _fail(str(exc))
+    _launch(str(run_.run_dir.parent), run_id)
+
+
+@app.command("ls")
+def list_(store: StoreOption = "runs") -> None:
+    """List the runs in the store."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from solrl.storage.runs import list_runs
+
+    rows = list_runs(store)
+    if not rows:
+        typer.echo(f"no runs in {Path(store).resolve()}")
+        return
+    table = Table("run id", "created", "iterations done", "path")
+    for row in rows:
+        table.add_row(str(row["run_id"]), str(row["created"])[:19], f"{row['iterations_done']}/{row['iterations']}",
+                      str(row["path"]))
+    Console().print(table)
+
+
+@app.command("pretrain-tiny-digits")
+def pretrain_tiny_digits(
+    steps: Annotated[int, typer.Option(help="Generator pretraining steps (sets how much room RL has).")] = 170,
+    out: Annotated[Path, typer.Option(help="Output folder.")] = Path("stages/models/weights/tiny_digits"),
+    seed: int = 0,
+) -> None:
+    """Train the tiny-digits classifiers and generator from scikit-learn's digits (the shipped weights)."""
+    from solrl.stages.models.tiny_digits_pretrain import pretrain
+
+    pretrain(out, steps=steps, seed=seed)
+
+
+def main() -> None:  # pragma: no cover
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,290 @@
+"""The run configuration: one pydantic model per section, validated at load.
+
+A run is described by a YAML preset (``configs/*.yaml``) plus ``--set
+section.key=value`` overrides. Unknown keys are an error, and cross-field rules
+(``k`` even and ``<= pool_size``, readable prompt files, ...) are checked here,
+at load, with messages that name the value and the fix. Runtime objects
+(models, devices, generators) are built *from* the config, never stored in it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+#: Explore precisions this release can run (DESIGN section 2). ``bf16`` computes
+#: in bfloat16 autocast on CUDA and float32 on CPU (CPU bf16 matmuls are slow
+#: and not what a GPU user runs).
+ExplorePrecision = Literal["bf16", "nvfp4_emulated"]
+SelectStrategy = Literal["best_worst", "top_k", "random"]
+#: Rewards solrl implements (``solrl.stages.rewards.build_reward`` builds each).
+RewardName = Literal["digit_alignment", "digit_evaluator", "jpeg_compressibility"]
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the value and the fix."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(_Section):
+    """Which model family the policy is, where its weights are, and its LoRA."""
+
+    family: Literal["tiny-digits"] = Field(
+        "tiny-digits", description="Model adapter (DESIGN 5). tiny-digits: the CPU model shipped with solrl."
+    )
+    path: str | None = Field(
+        None, description="Local weights folder (or hub id where the user has it); null = weights shipped with solrl."
+    )
+    sampler_shift: float = Field(2.0, gt=0, description="FlowMatchEulerDiscreteScheduler shift for the sigma schedule.")
+    lora_rank: int = Field(8, ge=1, description="LoRA rank of the trained policy adapter (peft).")
+    lora_alpha: float = Field(8.0, gt=0, description="LoRA alpha (scaling = alpha / rank).")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available, else cpu.")
+
+
+class ExploreConfig(_Section):
+    """Step 1: sample the candidate pool with the low-precision rollout copy."""
+
+    precision: ExplorePrecision = Field("nvfp4_emulated", description="Precision of the explore copy.")
+    steps: int = Field(6, ge=1, description="Euler ODE steps for explore sampling.")
+    pool_size: int = Field(32, ge=2, description="Candidates (seeds) per prompt.")
+    batch_size: int = Field(256, ge=1, description="Samples per forward pass.")
+    min_dim: int = Field(0, ge=0, description="Layers with max(in, out) <= min_dim stay high precision (Sol-RL rule).")
+
+
+class SelectConfig(_Section):
+    """Step 3: which seeds of each pool are regenerated and trained on."""
+
+    strategy: SelectStrategy = Field("best_worst", description="best_worst keeps k/2 best and k/2 worst per prompt.")
+    k: int = Field(8, ge=2, description="Seeds kept per prompt (the group size of the update).")
+
+
+class RegenerateConfig(_Section):
+    """Step 4: regenerate the kept seeds with the full-precision rollout policy."""
+
+    steps: int = Field(10, ge=1, description="Euler ODE steps (also the training timestep grid).")
+    batch_size: int = Field(256, ge=1, description="Samples per forward pass.")
+
+
+class TrainConfig(_Section):
+    """Step 6: the policy update (DiffusionNFT loss, DESIGN 1)."""
+
+    loss: Literal["nft"] = Field("nft", description="Policy loss. flow_grpo comes with issue 4.")
+    lr: float = Field(1e-3, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(1e-4, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0)
+    grad_clip: float = Field(1.0, gt=0, description="Max global grad norm.")
+    optimizer_steps: int = Field(4, ge=1, description="Optimizer steps per iteration.")
+    timestep_fraction: float = Field(0.6, gt=0, le=1, description="Fraction of the sampling timesteps trained per step.")
+    beta: float = Field(1.0, gt=0, description="NFT guidance strength beta.")
+    kl_beta: float = Field(1e-4, ge=0, description="Weight of ||v_theta - v_ref||^2 (reference = adapter off).")
+    adv_clip_max: float = Field(5.0, gt=0, description="Advantages are clipped to +-adv_clip_max.")
+    global_std: bool = Field(True, description="Normalise advantages by the batch std instead of the group std.")
+    decay_rate: float = Field(0.001, ge=0, description="Rollout-policy decay d = min(decay_rate * step, decay_max).")
+    decay_max: float = Field(0.5, ge=0, lt=1)
+    ema_decay: float = Field(0.9, ge=0, lt=1, description="EMA of the policy adapter, for evaluation.")
+
+
+class RewardConfig(_Section):
+    """Training reward (weighted sum) and the rewards evaluation reports."""
+
+    weights: dict[RewardName, float] = Field(
+        default_factory=lambda: {"digit_alignment": 1.0}, description="reward name -> weight"
+    )
+    evaluate: list[RewardName] = Field(
+        default_factory=lambda: ["digit_alignment", "digit_evaluator", "jpeg_compressibility"],
+        description="Rewards logged on the held-out evaluation samples.",
+    )
+
+
+class StorageConfig(_Section):
+    root: str = Field("runs", description="Run store: <root>/<run_id>/ holds every stage output.")
+
+
+class TrackingConfig(_Section):
+    mlflow_uri: str | None = Field(None, description="MLflow tracking URI; null = sqlite file in the run store.")
+    experiment: str = "solrl"
+    grid_prompts: int = Field(4, ge=0, description="Prompts shown in the per-iteration best/worst image grid.")
+
+
+class CampaignConfig(_Section):
+    """The run as a whole: iterations, prompts, seeds, evaluation."""
+
+    iterations: int = Field(20, ge=1)
+    prompts_per_iteration: int = Field(8, ge=1)
+    prompts_file: str = Field("prompts/tiny-digits-train.txt", description="One prompt a line; relative to the preset.")
+    eval_prompts_file: str = Field("prompts/tiny-digits-eval.txt")
+    eval_seeds: int = Field(8, ge=1, description="Fixed seeds per evaluation prompt.")
+    eval_every: int = Field(1, ge=1, description="Evaluate the rollout policy every N iterations (and before the first).")
+    seed: int = Field(42, ge=0, description="Run seed; every candidate seed derives from it.")
+    stage_retries: int = Field(1, ge=0, description="Prefect retries of a failed stage task.")
+
+
+class RunConfig(_Section):
+    """A whole run. ``base_dir`` is where relative prompt files resolve (the preset's folder)."""
+
+    name: str = "tiny-digits"
+    base_dir: str = Field("", description="Set by the loader: folder of the preset, for relative paths.")
+    model: ModelConfig = ModelConfig()
+    explore: ExploreConfig = ExploreConfig()
+    select: SelectConfig = SelectConfig()
+    regenerate: RegenerateConfig = RegenerateConfig()
+    train: TrainConfig = TrainConfig()
+    reward: RewardConfig = RewardConfig()
+    storage: StorageConfig = StorageConfig()
+    tracking: TrackingConfig = TrackingConfig()
+    campaign: CampaignConfig = CampaignConfig()
+
+    @model_validator(mode="after")
+    def _cross_field_rules(self) -> RunConfig:
+        k, pool = self.select.k, self.explore.pool_size
+        if k % 2 and self.select.strategy == "best_worst":
+            raise ValueError(f"select.k={k} must be even for best_worst (k/2 best + k/2 worst); set select.k={k + 1}")
+        if k > pool:
+            raise ValueError(f"select.k={k} exceeds explore.pool_size={pool}; set select.k <= {pool} or raise pool_size")
+        if not self.reward.weights:
+            raise ValueError("reward.weights is empty; give at least one reward, e.g. {digit_alignment: 1.0}")
+        return self
+
+    # -- derived values (never mutated: computed from the config) --------------
+    def resolve(self, path: str) -> Path:
+        """A config path made absolute: relative paths resolve against the preset's folder, then against the
+        presets shipped with solrl (so a user YAML can name ``prompts/tiny-digits-train.txt``)."""
+        p = Path(path).expanduser()
+        if p.is_absolute():
+            return p
+        local = Path(self.base_dir) / p
+        shipped = preset_dir() / p
+        return shipped if not local.exists() and shipped.exists() else local
+
+    def train_prompts(self) -> list[str]:
+        return read_prompts(self.resolve(self.campaign.prompts_file), "campaign.prompts_file")
+
+    def eval_prompts(self) -> list[str]:
+        return read_prompts(self.resolve(self.campaign.eval_prompts_file), "campaign.eval_prompts_file")
+
+    def digest(self) -> str:
+        """sha256 of the canonical JSON of the config (``base_dir`` excluded): the config hash."""
+        data = self.model_dump(mode="json", exclude={"base_dir"})
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+def read_prompts(path: Path, field: str) -> list[str]:
+    """Read a prompt file: one prompt per line, blank lines and ``#`` comments skipped.
+
+    Raises:
+        ConfigError: the file is missing, unreadable, not UTF-8, or holds no prompt.
+    """
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{field}: cannot read prompt file {str(path)!r} ({exc.__class__.__name__}: {exc})") from exc
+    prompts = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    if not prompts:
+        raise ConfigError(f"{field}: prompt file {str(path)!r} holds no prompt; write one prompt per line")
+    return prompts
+
+
+def preset_dir() -> Path:
+    """The folder of the presets shipped with solrl (``configs/``)."""
+    return Path(str(resources.files("solrl.configs")))
+
+
+def list_presets() -> list[str]:
+    return sorted(p.stem for p in preset_dir().glob("*.yaml"))
+
+
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. --set explore.pool_size=64")
+    key, raw = item.split("=", 1)
+    path = [p for p in key.strip().split(".") if p]
+    if not path:
+        raise ConfigError(f"--set {item!r}: empty key")
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set {item!r}: value is not valid YAML ({exc})") from exc
+    return path, value
+
+
+def _apply_override(data: dict[str, Any], path: list[str], value: Any, item: str) -> None:
+    node = data
+    for part in path[:-1]:
+        nxt = node.setdefault(part, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"--set {item!r}: {part!r} is not a section")
+        node = nxt
+    node[path[-1]] = value
+
+
+def _format_validation_error(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key (check the spelling; `solrl run --help` and configs/tiny-digits.yaml list the keys)"
+        elif "input" in err and err["type"] not in ("value_error",) and not isinstance(err["input"], dict):
+            msg = f"{msg} (got {err['input']!r})"
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    return "invalid config: " + "; ".join(parts)
+
+
+def load_config(source: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Load a preset (a name from ``configs/`` or a YAML path), apply ``--set`` overrides, validate.
+
+    Args:
+        source: preset name (``tiny-digits``), a YAML file path, or None for the default preset.
+        overrides: ``section.key=value`` strings; values are parsed as YAML.
+
+    Raises:
+        ConfigError: missing/malformed file, unknown key, bad value, or a cross-field rule broken;
+            one line naming the problem and the fix.
+    """
+    source = source or "tiny-digits"
+    path = Path(source)
+    if not path.suffix and not path.exists():
+        path = preset_dir() / f"{source}.yaml"
+        if not path.exists():
+            raise ConfigError(f"no preset or file named {str(source)!r}; presets: {', '.join(list_presets())}")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read config {str(path)!r} ({exc.__class__.__name__}: {exc})") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        line = getattr(getattr(exc, "problem_mark", None), "line", None)
+        where = f" at line {line + 1}" if line is not None else ""
+        raise ConfigError(f"config {str(path)!r} is not valid YAML{where}") from exc
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config {str(path)!r} must be a mapping of sections, got {type(data).__name__}")
+    for item in overrides or []:
+        keys, value = _parse_override(item)
+        _apply_override(data, keys, value, item)
+    data["base_dir"] = str(path.resolve().parent)
+    return validate_config(data)
+
+
+def validate_config(data: dict[str, Any]) -> RunConfig:
+    """Validate a config mapping (e.g. ``run.json``'s) into a RunConfig; ConfigError on failure."""
+    try:
+        cfg = RunConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation_error(exc)) from None
+    # Prompt files must be readable now, not half way through a run.
+    cfg.train_prompts()
+    cfg.eval_prompts()
+    return cfg

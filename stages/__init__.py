@@ -1,0 +1,1 @@
+"""Stage functions (no Prefect import) and the domain code they use."""

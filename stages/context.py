@@ -1,0 +1,82 @@
+"""What every stage gets: the run's config and place, the iteration, and the policy it starts from."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from solrl.config import RunConfig
+from solrl.stages.models import load_model, resolve_device
+from solrl.stages.policy import ADAPTERS, Policy
+from solrl.stages.sampling import derive_seed
+from solrl.storage.checkpoints import load_checkpoint
+from solrl.storage.stage import require
+
+
+@dataclass(frozen=True)
+class StageContext:
+    """A stage's view of the run. ``iteration`` counts from 1; iteration i trains policy version i - 1."""
+
+    cfg: RunConfig
+    run_dir: Path
+    run_id: str
+    iteration: int
+
+    @cached_property
+    def device(self) -> torch.device:
+        return resolve_device(self.cfg.model.device)
+
+    def seed(self, *path: int | str) -> int:
+        """A seed derived from the run seed, this iteration and ``path``."""
+        return derive_seed(self.cfg.campaign.seed, self.iteration, *path)
+
+    def iteration_prompts(self) -> tuple[np.ndarray, list[str]]:
+        """This iteration's prompts: indices ``int64 [P]`` into the prompt file, and the prompts.
+
+        Drawn without replacement while the file has enough prompts, seeded by (run seed, iteration).
+        """
+        prompts = self.cfg.train_prompts()
+        count = self.cfg.campaign.prompts_per_iteration
+        rng = np.random.default_rng(self.seed("prompts"))
+        index = rng.choice(len(prompts), size=count, replace=count > len(prompts)).astype(np.int64)
+        return index, [prompts[i] for i in index]
+
+    def checkpoint_dir(self, iteration: int | None = None) -> Path | None:
+        """The committed checkpoint this iteration starts from (None at iteration 1: the base model)."""
+        previous = self.iteration - 1 if iteration is None else iteration
+        if previous < 1:
+            return None
+        directory, _ = require(self.run_dir, previous, "checkpoint")
+        return directory
+
+    def load_policy(self, checkpoint: Path | None = None, *, resume: bool = True
+                    ) -> tuple[Policy, dict[str, dict[str, torch.Tensor]], dict]:
+        """The model with policy/rollout/EMA adapters as of ``checkpoint`` (default: the previous iteration's).
+
+        Returns:
+            (policy, checkpoint sections, checkpoint state); empty sections and state for the base model.
+        """
+        model = load_model(self.cfg.model, self.device)
+        policy = Policy(model, self.cfg.model.lora_rank, self.cfg.model.lora_alpha,
+                        seed=derive_seed(self.cfg.campaign.seed, "lora-init"))
+        checkpoint = checkpoint if checkpoint is not None else (self.checkpoint_dir() if resume else None)
+        if checkpoint is None:
+            return policy, {}, {}
+        sections, state = load_checkpoint(checkpoint)
+        for name in ADAPTERS:
+            policy.load_state_dict(name, sections[name])
+        return policy, sections, state
+
+
+@contextmanager
+def compute_precision(device: torch.device) -> Iterator[None]:
+    """bf16 autocast on CUDA (BF16 train); float32 on CPU, where bf16 matmuls are slow and not the target."""
+    ctx = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+    with ctx:
+        yield

@@ -1,0 +1,57 @@
+"""The DiffusionNFT policy loss (Zheng et al. 2025, "DiffusionNFT: Online Diffusion Reinforcement with
+Forward Process", eq. 6-8 and Algorithm 1; the loss the Sol-RL code trains with; DESIGN 1).
+
+Re-noise a clean sample ``x_t = (1 - t) x0 + t eps``. With the trained velocity ``v_theta``, the rollout
+("old") velocity ``v_old`` and the reference ``v_ref``::
+
+    v+ = beta v_theta + (1 - beta) v_old          (implicit positive policy)
+    v- = (1 + beta) v_old - beta v_theta          (implicit negative policy)
+    x0_hat(v) = x_t - t v
+    r  = clamp(clip(A) / adv_clip_max / 2 + 0.5, 0, 1)   (optimality probability from the advantage)
+    L  = adv_clip_max * mean[ r ||x0_hat(v+) - x0||^2 / w+ / beta + (1 - r) ||x0_hat(v-) - x0||^2 / w- / beta ]
+         + kl_beta * mean ||v_theta - v_ref||^2
+
+``w = mean|x0_hat - x0|`` per sample, detached and floored at ``W_FLOOR`` (adaptive x0 weighting).
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: Floor of the adaptive weight, so a near-perfect prediction does not divide by ~0 (DiffusionNFT code).
+W_FLOOR = 1e-5
+
+
+def nft_loss(v_theta: torch.Tensor, v_old: torch.Tensor, v_ref: torch.Tensor | None, x_t: torch.Tensor,
+             x0: torch.Tensor, t: torch.Tensor, advantages: torch.Tensor, *, beta: float = 1.0,
+             adv_clip_max: float = 5.0, kl_beta: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
+    """The NFT loss for one batch at one timestep per sample.
+
+    Args:
+        v_theta: trained velocity, ``[B, C, h, w]``, with grad.
+        v_old: rollout velocity, same shape, no grad.
+        v_ref: reference velocity (adapter disabled) or None when ``kl_beta == 0``.
+        x_t: re-noised sample; x0: the clean rollout sample; both ``[B, C, h, w]``.
+        t: sigma in (0, 1], ``[B]``.
+        advantages: ``[B]`` (already normalised; clipped here).
+
+    Returns:
+        (scalar loss, detached terms: policy_loss, kl, r_mean, x0_mse).
+    """
+    dims = tuple(range(1, x0.ndim))
+    tb = t.reshape(-1, *([1] * (x0.ndim - 1))).to(v_theta.dtype)  # [B, 1, 1, 1]
+    v_pos = beta * v_theta + (1 - beta) * v_old
+    v_neg = (1 + beta) * v_old - beta * v_theta
+    x0_pos, x0_neg = x_t - tb * v_pos, x_t - tb * v_neg  # [B, C, h, w]
+    with torch.no_grad():
+        w_pos = (x0_pos - x0).abs().mean(dim=dims, keepdim=True).clamp_min(W_FLOOR)
+        w_neg = (x0_neg - x0).abs().mean(dim=dims, keepdim=True).clamp_min(W_FLOOR)
+    pos = ((x0_pos - x0) ** 2 / w_pos).mean(dim=dims)  # [B]
+    neg = ((x0_neg - x0) ** 2 / w_neg).mean(dim=dims)
+    r = (advantages.clamp(-adv_clip_max, adv_clip_max) / adv_clip_max / 2 + 0.5).clamp(0, 1).to(pos.dtype)
+    policy_loss = adv_clip_max * (r * pos / beta + (1 - r) * neg / beta).mean()
+    kl = ((v_theta - v_ref) ** 2).mean() if v_ref is not None else torch.zeros((), device=v_theta.device)
+    loss = policy_loss + kl_beta * kl
+    terms = {"policy_loss": policy_loss.item(), "kl": kl.item(), "r_mean": r.mean().item(),
+             "x0_mse": ((x_t - tb * v_theta - x0) ** 2).mean().item()}
+    return loss, terms

@@ -1,0 +1,155 @@
+"""tiny-digits: a real diffusers text-to-image transformer small enough for a 2-core CPU (DESIGN 5).
+
+Data are scikit-learn's bundled UCI handwritten digits (1,797 8x8 images,
+labels 0-9, no download), upsampled bilinearly to 16x16, one channel, in
+[-1, 1], split 80/20 stratified. The policy is a ``SanaTransformer2DModel``
+working directly in pixel space (the "VAE" is the identity), conditioned by a
+small word-level text encoder built here. Two digit classifiers of different
+architectures and seeds give the training reward (``DigitClassifier``) and an
+independent evaluator (``DigitEvaluator``): the training reward alone can be
+gamed.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from diffusers import SanaTransformer2DModel
+from torch import nn
+
+DIGIT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+#: Words the tiny text encoder knows; anything else maps to <unk>.
+VOCAB = ("<pad>", "<unk>", "a", "the", "handwritten", "digit", "number", "hand", "drawn", "written", "of", *DIGIT_WORDS)
+MAX_TOKENS = 6
+TEXT_DIM = 32  # caption_channels of the transformer
+IMAGE_SIZE = 16
+
+#: Constructor arguments of the tiny SanaTransformer2DModel (~256k parameters).
+TRANSFORMER_CONFIG = dict(
+    in_channels=1,
+    out_channels=1,
+    num_attention_heads=2,
+    attention_head_dim=32,
+    num_layers=3,
+    num_cross_attention_heads=2,
+    cross_attention_head_dim=32,
+    cross_attention_dim=64,  # must equal heads x head dim: the caption projection maps to it
+    caption_channels=TEXT_DIM,
+    mlp_ratio=2.5,
+    sample_size=IMAGE_SIZE,
+    patch_size=2,
+    interpolation_scale=1.0,  # the default (None) gives no positional embedding
+)
+
+
+def build_transformer() -> SanaTransformer2DModel:
+    """A freshly initialised tiny-digits policy transformer (a real diffusers class)."""
+    return SanaTransformer2DModel(**TRANSFORMER_CONFIG)
+
+
+def prompt_digit(prompt: str) -> int:
+    """The digit a prompt asks for: the last digit word or numeral in it.
+
+    Raises:
+        ValueError: the prompt names no digit.
+    """
+    found = [DIGIT_WORDS.index(w) if w in DIGIT_WORDS else int(w) for w in re.findall(r"[a-z]+|\d", prompt.lower())
+             if w in DIGIT_WORDS or w.isdigit()]
+    if not found:
+        raise ValueError(f"prompt {prompt!r} names no digit (zero..nine or 0..9)")
+    return found[-1]
+
+
+def tokenize(prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Word-level tokenisation.
+
+    Returns:
+        ids ``int64 [B, MAX_TOKENS]`` (0 = pad) and mask ``int64 [B, MAX_TOKENS]`` (1 = token).
+    """
+    ids = torch.zeros(len(prompts), MAX_TOKENS, dtype=torch.long)
+    for i, prompt in enumerate(prompts):
+        words = re.findall(r"[a-z]+|\d", prompt.lower())[:MAX_TOKENS]
+        for j, w in enumerate(words):
+            ids[i, j] = VOCAB.index(w) if w in VOCAB else 1
+    return ids, (ids != 0).long()
+
+
+class TinyTextEncoder(nn.Module):
+    """Learned word and position embeddings and an MLP: ids ``[B, L]`` -> ``float32 [B, L, TEXT_DIM]``."""
+
+    def __init__(self, dim: int = TEXT_DIM) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(len(VOCAB), dim)
+        self.positions = nn.Parameter(torch.zeros(MAX_TOKENS, dim))
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.tokens(ids) + self.positions[: ids.shape[1]]  # [B, L, D]
+        return h + self.mlp(h)
+
+
+class DigitClassifier(nn.Module):
+    """Training reward backbone: two 3x3 conv blocks. ``[B, 1, 16, 16]`` in [-1, 1] -> logits ``[B, 10]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),  # [B, 16, 8, 8]
+            nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),  # [B, 32, 4, 4]
+            nn.Flatten(), nn.Linear(32 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 10),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+class DigitEvaluator(nn.Module):
+    """Independent evaluator: strided 5x5 convs, GELU, average pooling (other architecture, other seed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Conv2d(1, 24, 5, stride=2, padding=2), nn.GELU(),  # [B, 24, 8, 8]
+            nn.Conv2d(24, 48, 5, stride=2, padding=2), nn.GELU(),  # [B, 48, 4, 4]
+            nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Dropout(0.2), nn.Linear(48 * 4, 10),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def load_digits_16() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """scikit-learn's digits at 16x16 in [-1, 1], stratified 80/20 split (random_state 0).
+
+    Returns:
+        x_train ``float32 [N, 1, 16, 16]``, y_train ``int64 [N]``, x_test, y_test.
+    """
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    digits = load_digits()
+    x = torch.from_numpy(digits.images.astype(np.float32) / 16.0)[:, None]  # [N, 1, 8, 8] in [0, 1]
+    x = F.interpolate(x, size=(IMAGE_SIZE, IMAGE_SIZE), mode="bilinear", align_corners=False) * 2 - 1
+    y = digits.target.astype(np.int64)
+    x_tr, x_te, y_tr, y_te = train_test_split(x.numpy(), y, test_size=0.2, stratify=y, random_state=0)
+    return x_tr, y_tr, x_te, y_te
+
+
+def images_to_model_input(images: np.ndarray | torch.Tensor) -> torch.Tensor:
+    """uint8 ``[B, H, W, 3]`` images -> float32 ``[B, 1, 16, 16]`` grey in [-1, 1] (the classifiers' input)."""
+    x = torch.as_tensor(images)
+    if x.dtype != torch.uint8 or x.ndim != 4 or x.shape[-1] != 3:
+        raise ValueError(f"expected uint8 images [B, H, W, 3], got {x.dtype} {tuple(x.shape)}")
+    x = x.float().mean(-1, keepdim=True).permute(0, 3, 1, 2) / 127.5 - 1  # [B, 1, H, W]
+    if x.shape[-1] != IMAGE_SIZE or x.shape[-2] != IMAGE_SIZE:
+        x = F.interpolate(x, size=(IMAGE_SIZE, IMAGE_SIZE), mode="bilinear", align_corners=False)
+    return x
+
+
+def latents_to_images(latents: torch.Tensor) -> np.ndarray:
+    """Decode: pixel-space latents ``[B, 1, 16, 16]`` (float, [-1, 1]) -> uint8 ``[B, 16, 16, 3]``."""
+    x = ((latents.detach().float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)  # [B, 1, H, W]
+    return x.permute(0, 2, 3, 1).expand(-1, -1, -1, 3).cpu().numpy().copy()

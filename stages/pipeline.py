@@ -1,0 +1,76 @@
+"""The Sol-RL iteration as an ordered table of stages, and how one stage is run or skipped.
+
+No Prefect here: ``solrl.flows`` wraps ``run_stage`` in tasks. Each stage's inputs hash covers the run id,
+iteration, stage, config hash and the digests of the manifests it reads, so a re-run skips exactly the stages
+whose committed output still matches their inputs, and redoes everything downstream of a change.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from solrl.stages.checkpoint import checkpoint
+from solrl.stages.context import StageContext
+from solrl.stages.evaluate import evaluate
+from solrl.stages.explore import explore
+from solrl.stages.regenerate import regenerate
+from solrl.stages.score import score_explore, score_regenerate
+from solrl.stages.select import select
+from solrl.stages.update import update
+from solrl.storage.stage import StageManifest, StageOutput, inputs_hash, iteration_dir, read_manifest, run_or_skip
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    fn: Callable[[StageContext, Path], StageOutput]
+    reads: tuple[str, ...]  # stages of the same iteration whose outputs it reads
+    reads_policy: bool  # reads the previous iteration's checkpoint (the policy it starts from)
+
+
+ITERATION: tuple[Stage, ...] = (
+    Stage("explore", explore, (), True),
+    Stage("score_explore", score_explore, ("explore",), False),
+    Stage("select", select, ("explore", "score_explore"), False),
+    Stage("regenerate", regenerate, ("select",), True),
+    Stage("score_regenerate", score_regenerate, ("regenerate", "select"), False),
+    Stage("update", update, ("regenerate", "score_regenerate"), True),
+    Stage("checkpoint", checkpoint, ("update",), False),
+    Stage("evaluate", evaluate, ("checkpoint",), False),
+)
+STAGES = {stage.name: stage for stage in ITERATION}
+
+
+def stage_key(ctx: StageContext, stage: Stage) -> str:
+    """The inputs hash of ``stage`` at ``ctx.iteration`` (see module doc)."""
+    upstream: dict[str, StageManifest | None] = {name: read_manifest(ctx.run_dir, ctx.iteration, name)
+                                                 for name in stage.reads}
+    if stage.reads_policy or stage.name == "evaluate":
+        previous = ctx.iteration - 1 if stage.name != "evaluate" else ctx.iteration
+        upstream["policy"] = read_manifest(ctx.run_dir, previous, "checkpoint") if previous >= 1 else None
+    return inputs_hash(ctx.run_id, ctx.iteration, stage.name, ctx.cfg.digest(), upstream)
+
+
+def clean_stale(ctx: StageContext, name: str) -> None:
+    """Remove temporary and trash folders a killed process left for this stage (the caller holds the run lock)."""
+    parent = iteration_dir(ctx.run_dir, ctx.iteration)
+    for path in list(parent.glob(f".{name}.tmp-*")) + list(parent.glob(f".{name}.trash-*")):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def run_stage(ctx: StageContext, name: str) -> tuple[StageManifest, bool]:
+    """Run stage ``name`` of ``ctx.iteration`` unless its committed manifest matches its inputs.
+
+    Returns:
+        (manifest, skipped).
+
+    Raises:
+        KeyError: unknown stage. StageNotCommitted: an upstream stage has no valid manifest.
+    """
+    stage = STAGES[name]
+    clean_stale(ctx, name)
+    return run_or_skip(ctx.run_dir, ctx.run_id, ctx.iteration, name, stage_key(ctx, stage),
+                       lambda out: stage.fn(ctx, out))

@@ -1,0 +1,32 @@
+"""Low-precision explore copy: emulated NVFP4 (W4A4) and FP8 (W8A8) fake quantization.
+
+See :mod:`.nvfp4` and ``DESIGN.md`` §2 for the numerics.
+"""
+
+from .nvfp4 import (
+    E2M1_MAX,
+    E2M1_VALUES,
+    E4M3_MAX,
+    E4M3_MIN_NORMAL,
+    FORMATS,
+    NVFP4_BLOCK,
+    FakeQuantLinear,
+    fp8_e4m3_fake_quantize,
+    nvfp4_fake_quantize,
+    quantize_model_,
+    requantize_model_,
+)
+
+__all__ = [
+    "E2M1_MAX",
+    "E2M1_VALUES",
+    "E4M3_MAX",
+    "E4M3_MIN_NORMAL",
+    "FORMATS",
+    "NVFP4_BLOCK",
+    "FakeQuantLinear",
+    "fp8_e4m3_fake_quantize",
+    "nvfp4_fake_quantize",
+    "quantize_model_",
+    "requantize_model_",
+]

@@ -1,0 +1,486 @@
+"""Emulated (fake-quant) NVFP4 and FP8 W4A4 / W8A8 for the low-precision explore copy.
+
+Format source
+-------------
+NVIDIA NVFP4 (Blackwell): every value is FP4 **E2M1** (1 sign, 2 exponent,
+1 mantissa bit; magnitudes ``0, 0.5, 1, 1.5, 2, 3, 4, 6``); every block of
+**16** consecutive elements along the reduction dimension (K, in_features)
+shares a scale stored as FP8 **E4M3** (max 448); every tensor has one FP32
+scale. The convention followed here is the one of ``shared/DESIGN.md`` §2::
+
+    g   = amax(|x|) / (448 * 6)                           (FP32; g = 1 without a tensor scale)
+    s_b = e4m3(clamp(amax(|block|) / 6 / g, 2^-6, 448))   (clamped to E4M3's smallest normal)
+    q   = round_e2m1(clamp(x * ((1 / g) / s_b), -6, 6))   (round to nearest, ties to even)
+    x_hat = q * s_b * g
+
+which is exactly what torchao's
+``torchao.prototype.mx_formats.nvfp4_tensor.nvfp4_quantize`` computes. This
+module does not re-implement the encoder: :func:`nvfp4_fake_quantize` calls
+``nvfp4_quantize`` (with ``per_tensor_scale = g`` or ``None``) and only
+*decodes* its output (unpacks the uint8-packed E2M1 codes with torchao's
+``unpack_uint4`` / ``f4_unpacked_to_f32`` and multiplies by the E4M3 block
+scale and the FP32 tensor scale, in that order, in float32).
+
+Choices made here (documented, tested in ``tests/test_nvfp4.py``):
+
+* K (the last dim) not a multiple of 16 raises :class:`ValueError`; it is never
+  padded silently. Callers either pad or leave the layer in high precision
+  (:func:`quantize_model_` skips such layers).
+* Non-finite input raises :class:`ValueError`.
+* An all-zero tensor (``g`` would be 0, giving NaN in the encoder) decodes to
+  zeros.
+* A tensor so small that ``1 / g`` would overflow float32 (``amax < 2^-100``)
+  is first multiplied by an exact power of two, quantized, and scaled back;
+  NVFP4 is scale-equivariant under powers of two, so this only avoids the
+  float32 overflow.
+* The quantizers run under ``torch.no_grad()``: no gradient flows through them
+  (the quantized copy is used for sampling only).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "NVFP4_BLOCK",
+    "E2M1_MAX",
+    "E4M3_MAX",
+    "E4M3_MIN_NORMAL",
+    "E2M1_VALUES",
+    "FORMATS",
+    "nvfp4_fake_quantize",
+    "fp8_e4m3_fake_quantize",
+    "FakeQuantLinear",
+    "quantize_model_",
+    "requantize_model_",
+]
+
+NVFP4_BLOCK: int = 16
+"""Elements per NVFP4 block (along the reduction / last dim)."""
+
+E2M1_MAX: float = 6.0
+"""Largest FP4 E2M1 magnitude."""
+
+E4M3_MAX: float = 448.0
+"""Largest finite FP8 E4M3 (``torch.float8_e4m3fn``) magnitude."""
+
+E4M3_MIN_NORMAL: float = 2.0**-6
+"""Smallest normal E4M3 value; NVFP4 block scales are clamped to it before the cast."""
+
+E2M1_VALUES: tuple[float, ...] = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+"""The 8 non-negative FP4 E2M1 magnitudes, in code order 0b000 .. 0b111."""
+
+FORMATS: tuple[str, ...] = ("nvfp4", "fp8")
+"""Formats understood by :class:`FakeQuantLinear` and :func:`quantize_model_`."""
+
+# Below this amax, 1 / g = (448 * 6) / amax could overflow float32 (or lose
+# precision to subnormals); such tensors are rescaled by an exact power of two.
+_TINY_AMAX: float = 2.0**-100
+
+
+def _amax_checked(x: torch.Tensor) -> float:
+    """``amax(|x|)`` as a Python float; raises ``ValueError`` on inf / NaN (one host sync)."""
+    amax = float(x.detach().abs().amax().to(torch.float32)) if x.numel() else 0.0
+    if not math.isfinite(amax):
+        raise ValueError(
+            f"cannot quantize a tensor with non-finite values (shape {tuple(x.shape)}, "
+            f"amax={amax})"
+        )
+    return amax
+
+
+def _pow2_exponent(amax: float) -> int:
+    """Exponent ``k`` such that ``amax * 2**k`` is about 1 when amax is tiny, else 0."""
+    if 0.0 < amax < _TINY_AMAX:
+        return -math.frexp(amax)[1]
+    return 0
+
+
+def _nvfp4_parts(
+    x2d: torch.Tensor, *, tensor_scale: bool
+) -> tuple[torch.Tensor, float, int]:
+    """NVFP4-encode a contiguous float32 ``[rows, K]`` tensor with torchao and decode it.
+
+    Returns ``(qs, g, k)`` with ``qs = q * s_b`` (float32 ``[rows, K]``; exactly
+    representable in bf16/fp16/fp32: at most 6 significant bits, magnitudes in
+    ``[2^-7, 2688]``), ``g`` the FP32 tensor scale as a Python float (1.0 without a
+    tensor scale) and ``k`` a power-of-two pre-scale exponent (0 except for tiny
+    tensors), such that ``x_hat = (qs * g) * 2**-k`` in float32.
+
+    Raises:
+        ValueError: K not a multiple of 16, or non-finite values.
+    """
+    from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, unpack_uint4
+    from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize
+
+    rows, k_dim = x2d.shape
+    amax = _amax_checked(x2d)
+    if amax == 0.0:
+        return torch.zeros_like(x2d), 1.0, 0
+    k = _pow2_exponent(amax)
+    if k:
+        x2d = x2d * (2.0**k)  # exact: scaling up by a power of two
+        amax = amax * (2.0**k)
+    if tensor_scale:
+        # Same expression as torchao's per_tensor_amax_to_scale: FP32 amax / (448 * 6).
+        g_t = torch.tensor(amax, dtype=torch.float32, device=x2d.device) / (E4M3_MAX * E2M1_MAX)
+        scales, packed = nvfp4_quantize(x2d, block_size=NVFP4_BLOCK, per_tensor_scale=g_t)
+        g = float(g_t)
+    else:
+        scales, packed = nvfp4_quantize(x2d, block_size=NVFP4_BLOCK, per_tensor_scale=None)
+        g = 1.0
+    codes = unpack_uint4(packed.contiguous()).view(rows, k_dim)
+    q = f4_unpacked_to_f32(codes)  # float32 E2M1 values, [rows, K]
+    s_b = scales.to(torch.float32).view(rows, k_dim // NVFP4_BLOCK, 1)
+    qs = (q.view(rows, k_dim // NVFP4_BLOCK, NVFP4_BLOCK) * s_b).view(rows, k_dim)
+    return qs, g, k
+
+
+def _decode(qs: torch.Tensor, g: float, k: int) -> torch.Tensor:
+    """``(qs * g) * 2**-k`` in float32 (the final NVFP4 / FP8 decode step)."""
+    out = qs.to(torch.float32) * g
+    if k:
+        out = out * (2.0**-k)
+    return out
+
+
+def _check_block_dim(x: torch.Tensor) -> None:
+    if x.dim() == 0 or x.shape[-1] % NVFP4_BLOCK != 0:
+        raise ValueError(
+            f"NVFP4 needs the last (reduction) dim to be a multiple of {NVFP4_BLOCK}, "
+            f"got shape {tuple(x.shape)}; pad K to a multiple of {NVFP4_BLOCK} or skip "
+            "this layer (leave it in high precision)"
+        )
+
+
+@torch.no_grad()
+def nvfp4_fake_quantize(x: torch.Tensor, *, tensor_scale: bool = True) -> torch.Tensor:
+    """NVFP4 quantize-dequantize along the last dim, in blocks of 16 (DESIGN.md §2).
+
+    Format: NVIDIA NVFP4 -- E2M1 values, 16-element blocks along the last
+    (reduction) dim, FP8 E4M3 block scales (clamped to ``[2^-6, 448]`` before the
+    cast), one FP32 tensor scale ``g = amax(|x|) / (448 * 6)``. The encode is
+    torchao's ``nvfp4_quantize`` (bit-for-bit DESIGN's formula); the decode is
+    ``q * s_b * g`` in float32.
+
+    Args:
+        x: float tensor ``[..., K]`` (float32, bfloat16 or float16; other float
+            dtypes are computed in float32 too). Leading dims are flattened to
+            rows; ``K % 16 == 0``.
+        tensor_scale: use the FP32 per-tensor scale (two-level scaling). With
+            ``False``, ``g = 1`` (single-level scaling, torchao's
+            ``per_tensor_scale=None``): block scales saturate at 448, so blocks
+            with amax above ``448 * 6 = 2688`` clip to ``±2688``.
+
+    Returns:
+        Tensor with the same shape, dtype and device as ``x`` holding the
+        dequantized values (computed in float32, then cast to ``x.dtype``). An
+        all-zero ``x`` gives zeros. No gradient flows through.
+
+    Raises:
+        ValueError: ``x`` is 0-dim or its last dim is not a multiple of 16 (pad it
+            or skip the layer), or ``x`` has inf / NaN values.
+        TypeError: ``x`` is not a floating-point tensor.
+    """
+    if not x.is_floating_point():
+        raise TypeError(f"nvfp4_fake_quantize needs a floating-point tensor, got {x.dtype}")
+    _check_block_dim(x)
+    if x.numel() == 0:
+        return x.clone()
+    x2d = x.detach().to(torch.float32).reshape(-1, x.shape[-1]).contiguous()
+    qs, g, k = _nvfp4_parts(x2d, tensor_scale=tensor_scale)
+    return _decode(qs, g, k).view(x.shape).to(x.dtype)
+
+
+def _fp8_parts(x: torch.Tensor) -> tuple[torch.Tensor, float, int]:
+    """Per-tensor E4M3 encode/decode of float32 ``x``: ``(e4m3 values as float32, scale, k)``."""
+    amax = _amax_checked(x)
+    if amax == 0.0:
+        return torch.zeros_like(x), 1.0, 0
+    k = _pow2_exponent(amax)
+    if k:
+        x = x * (2.0**k)
+        amax = amax * (2.0**k)
+    scale_t = torch.tensor(amax, dtype=torch.float32, device=x.device) / E4M3_MAX
+    q = torch.clamp(x / scale_t, -E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.to(torch.float32), float(scale_t), k
+
+
+@torch.no_grad()
+def fp8_e4m3_fake_quantize(x: torch.Tensor) -> torch.Tensor:
+    """Per-tensor scaled FP8 E4M3 quantize-dequantize (for FP8 comparison runs).
+
+    ``scale = amax(|x|) / 448`` (FP32); ``x_hat = e4m3(clamp(x / scale, ±448)) * scale``,
+    where ``e4m3`` is the round-to-nearest-even cast to ``torch.float8_e4m3fn``.
+
+    Args:
+        x: float tensor of any shape (computed in float32).
+
+    Returns:
+        Same shape, dtype and device as ``x``. All-zero input gives zeros. No
+        gradient flows through.
+
+    Raises:
+        ValueError: ``x`` has inf / NaN values.
+        TypeError: ``x`` is not a floating-point tensor.
+    """
+    if not x.is_floating_point():
+        raise TypeError(f"fp8_e4m3_fake_quantize needs a floating-point tensor, got {x.dtype}")
+    if x.numel() == 0:
+        return x.clone()
+    q, scale, k = _fp8_parts(x.detach().to(torch.float32))
+    return _decode(q, scale, k).to(x.dtype)
+
+
+def _quant_parts(w2d: torch.Tensor, fmt: str) -> tuple[torch.Tensor, float, int]:
+    if fmt == "nvfp4":
+        return _nvfp4_parts(w2d, tensor_scale=True)
+    return _fp8_parts(w2d)
+
+
+def _check_fmt(fmt: str) -> None:
+    if fmt not in FORMATS:
+        raise ValueError(
+            f"unknown quantization format {fmt!r}; valid formats: {', '.join(FORMATS)}"
+        )
+
+
+def _is_conv1x1(module: nn.Module) -> bool:
+    return (
+        isinstance(module, nn.Conv2d)
+        and tuple(module.kernel_size) == (1, 1)
+        and module.groups == 1
+        and module.padding_mode == "zeros"
+    )
+
+
+class FakeQuantLinear(nn.Module):
+    """W4A4 (``"nvfp4"``) or W8A8 (``"fp8"``) fake-quant wrapper of a Linear or 1x1 Conv2d.
+
+    Wraps an ``nn.Linear`` or an ``nn.Conv2d`` with ``kernel_size == (1, 1)``,
+    ``groups == 1`` and zero padding (Sana's feed-forward uses such convs: a matrix
+    multiply over the channel dim, so it is treated as a Linear over channels).
+
+    * Weights (``[out, in]``, or ``[out, in, 1, 1]`` viewed as ``[out, in]``) are
+      fake-quantized once, per output row, NVFP4 blocks along ``in`` (fp8:
+      per-tensor E4M3 scale), and cached in the non-persistent buffer
+      ``weight_q``; :meth:`requantize_` refreshes it in place.
+    * Activations are fake-quantized per call: per token for Linear (input
+      ``[..., in]``, blocks along the last dim), per pixel for the conv (input
+      ``[B, C, H, W]``, blocks along C). The NVFP4 tensor scale is the amax of
+      the whole activation tensor of the call.
+    * The matmul/conv runs in float32 on the dequantized values, with the bias
+      in high precision; the output is cast back to the input dtype.
+
+    Parameters and state dict: the wrapper registers the wrapped module's own
+    ``weight`` and ``bias`` Parameter objects (shared, not copied) under the same
+    names, and ``weight_q`` is non-persistent, so a quantized model has exactly
+    the state-dict keys of the original one (``load_state_dict`` from the BF16
+    model works; follow it with :func:`requantize_model_`). The original module
+    is kept, unregistered, as :attr:`module`.
+
+    Sampling only: ``forward`` runs under ``torch.no_grad()``.
+
+    Attributes:
+        format: ``"nvfp4"`` or ``"fp8"``.
+        module: the wrapped ``nn.Linear`` / ``nn.Conv2d``.
+        is_conv: whether the wrapped module is a 1x1 ``nn.Conv2d``.
+        in_features, out_features: the matmul's K and N.
+        weight_q: buffer, ``[out, in]`` in the weight's dtype, holding the
+            quantized weight *without* its FP32 tensor scale (NVFP4: ``q * s_b``;
+            fp8: the E4M3 values), which is exact in bf16/fp16/fp32; the scale is
+            kept as a Python float so ``model.to(dtype)`` cannot round it.
+    """
+
+    weight_q: torch.Tensor
+    module: nn.Module
+
+    def __init__(self, module: nn.Module, fmt: str = "nvfp4") -> None:
+        """Wrap ``module`` and quantize its weight.
+
+        Raises:
+            ValueError: unknown ``fmt``; ``in_features % 16 != 0`` with ``"nvfp4"``.
+            TypeError: ``module`` is neither ``nn.Linear`` nor an eligible 1x1
+                ``nn.Conv2d`` (groups == 1, zero padding).
+        """
+        super().__init__()
+        _check_fmt(fmt)
+        if isinstance(module, nn.Linear):
+            is_conv = False
+            in_f, out_f = module.in_features, module.out_features
+        elif _is_conv1x1(module):
+            is_conv = True
+            in_f, out_f = module.in_channels, module.out_channels
+        else:
+            raise TypeError(
+                "FakeQuantLinear wraps nn.Linear or a 1x1 nn.Conv2d with groups=1 and "
+                f"zero padding, got {module!r}"
+            )
+        if fmt == "nvfp4" and in_f % NVFP4_BLOCK != 0:
+            raise ValueError(
+                f"NVFP4 needs in_features to be a multiple of {NVFP4_BLOCK}, got "
+                f"weight shape {tuple(module.weight.shape)}; pad it or skip this layer"
+            )
+        self.format: str = fmt
+        self.is_conv: bool = is_conv
+        self.in_features: int = in_f
+        self.out_features: int = out_f
+        object.__setattr__(self, "module", module)  # kept, not registered (see class doc)
+        self.register_parameter("weight", module.weight)
+        self.register_parameter("bias", module.bias)
+        self._w_scale: float = 1.0
+        self._w_pow2: int = 0
+        self.register_buffer(
+            "weight_q",
+            torch.empty((out_f, in_f), dtype=module.weight.dtype, device=module.weight.device),
+            persistent=False,
+        )
+        self.requantize_()
+
+    @torch.no_grad()
+    def requantize_(self) -> "FakeQuantLinear":
+        """Recompute the cached quantized weight from the current ``weight``, in place.
+
+        Use after a weight sync (e.g. ``load_state_dict`` or ``param.copy_``). The
+        buffer keeps its identity; if ``weight`` changed dtype/device it follows it.
+        Returns ``self``.
+        """
+        w2d = self.weight.detach().to(torch.float32).reshape(self.out_features, self.in_features)
+        qs, scale, k = _quant_parts(w2d.contiguous(), self.format)
+        if self.weight_q.dtype != self.weight.dtype or self.weight_q.device != self.weight.device:
+            self.weight_q = self.weight_q.to(device=self.weight.device, dtype=self.weight.dtype)
+        self.weight_q.copy_(qs)
+        self._w_scale, self._w_pow2 = scale, k
+        return self
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The fake-quantized weight, float32 ``[out, in]`` (== ``fq(weight)`` in float32)."""
+        return _decode(self.weight_q, self._w_scale, self._w_pow2)
+
+    def _fq(self, x: torch.Tensor) -> torch.Tensor:
+        if self.format == "nvfp4":
+            return nvfp4_fake_quantize(x, tensor_scale=True)
+        return fp8_e4m3_fake_quantize(x)
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Quantized matmul.
+
+        Args:
+            x: Linear: ``[..., in_features]``; conv: ``[B, in_channels, H, W]``
+                (or unbatched ``[in_channels, H, W]``); float32 / bfloat16 / float16.
+
+        Returns:
+            Linear: ``[..., out_features]``; conv: ``[B, out_channels, H', W']``;
+            dtype of ``x``.
+
+        Raises:
+            ValueError: non-finite activations.
+        """
+        w = self.dequantized_weight()
+        b = None if self.bias is None else self.bias.detach().to(torch.float32)
+        xf = x.to(torch.float32)
+        if self.is_conv:
+            conv = self.module
+            c_dim = 0 if xf.dim() == 3 else 1  # unbatched [C, H, W] or [B, C, H, W]
+            xq = self._fq(xf.movedim(c_dim, -1).contiguous()).movedim(-1, c_dim)
+            out = F.conv2d(
+                xq,
+                w.view(self.out_features, self.in_features, 1, 1),
+                b,
+                stride=conv.stride,
+                padding=conv.padding,
+                dilation=conv.dilation,
+            )
+        else:
+            out = F.linear(self._fq(xf), w, b)
+        return out.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        kind = "conv1x1" if self.is_conv else "linear"
+        return (
+            f"format={self.format!r}, kind={kind}, in_features={self.in_features}, "
+            f"out_features={self.out_features}, bias={self.bias is not None}"
+        )
+
+
+def _eligible_dims(module: nn.Module) -> tuple[int, int] | None:
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    if _is_conv1x1(module):
+        assert isinstance(module, nn.Conv2d)
+        return module.in_channels, module.out_channels
+    return None
+
+
+def quantize_model_(
+    model: nn.Module,
+    *,
+    fmt: str = "nvfp4",
+    skip: Sequence[str] = (),
+    min_dim: int = 0,
+) -> list[str]:
+    """Replace eligible layers of ``model`` with :class:`FakeQuantLinear`, in place.
+
+    Eligible: every ``nn.Linear`` and every 1x1 ``nn.Conv2d`` with ``groups == 1``
+    and zero padding. Other convs (depthwise, 3x3, patch embedders) are never
+    touched. A module is skipped when its qualified name contains any of the
+    ``skip`` substrings, when ``max(in, out) <= min_dim``, or (``"nvfp4"`` only)
+    when ``in % 16 != 0``. Existing :class:`FakeQuantLinear` modules are left
+    as they are and not reported.
+
+    Args:
+        model: the module to modify (in place).
+        fmt: ``"nvfp4"`` (W4A4) or ``"fp8"`` (W8A8).
+        skip: name substrings to leave in high precision (embedders, norms,
+            final layer: the per-model lists live with the model adapters).
+        min_dim: skip layers whose ``max(in, out) <= min_dim``.
+
+    Returns:
+        The sorted qualified names of the modules that were quantized.
+
+    Raises:
+        ValueError: unknown ``fmt`` (the message lists the valid ones).
+    """
+    _check_fmt(fmt)
+    targets: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if not name or isinstance(module, FakeQuantLinear):
+            continue
+        dims = _eligible_dims(module)
+        if dims is None:
+            continue
+        if any(s in name for s in skip):
+            continue
+        in_f, out_f = dims
+        if max(in_f, out_f) <= min_dim:
+            continue
+        if fmt == "nvfp4" and in_f % NVFP4_BLOCK != 0:
+            continue
+        targets.append((name, module))
+    for name, module in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, FakeQuantLinear(module, fmt))
+    return sorted(name for name, _ in targets)
+
+
+def requantize_model_(model: nn.Module) -> int:
+    """Call :meth:`FakeQuantLinear.requantize_` on every wrapper in ``model``.
+
+    Use after every weight sync to the explore copy (no module rebuild).
+
+    Returns:
+        How many modules were re-quantized.
+    """
+    n = 0
+    for module in model.modules():
+        if isinstance(module, FakeQuantLinear):
+            module.requantize_()
+            n += 1
+    return n

@@ -1,0 +1,68 @@
+"""Sampling prompts x seeds with a given network: shared by explore, regenerate and evaluate."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from solrl.config import ExplorePrecision
+from solrl.stages.context import compute_precision
+from solrl.stages.models import ModelAdapter
+from solrl.stages.policy import Policy
+from solrl.stages.quant import quantize_model_
+from solrl.stages.sampling import batched, initial_noise, sample_ode
+
+
+@torch.no_grad()
+def generate(model: ModelAdapter, net: nn.Module, prompts: Sequence[str], seeds: Sequence[int], steps: int,
+             batch_size: int, desc: str = "sampling") -> torch.Tensor:
+    """Sample one image per (prompt, seed) pair with the Euler ODE sampler.
+
+    Args:
+        net: the velocity network (a peft transformer with an adapter active, or a quantized copy).
+        prompts, seeds: equal length B; seed i fixes sample i's initial noise.
+
+    Returns:
+        final latents float32 ``[B, C, h, w]`` on the CPU.
+    """
+    if len(prompts) != len(seeds):
+        raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
+    sigmas = model.sigmas(steps)
+    out = []
+    chunks = batched(len(prompts), batch_size)
+    for chunk in tqdm(chunks, desc=desc, unit="batch", disable=len(chunks) < 4, leave=False):
+        emb, mask = model.encode(list(prompts[chunk]))
+        noise = initial_noise(seeds[chunk], model.latent_shape, model.device)
+
+        def velocity(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+            with compute_precision(model.device):
+                return model.velocity(net, x, sigma, emb, mask)
+
+        out.append(sample_ode(velocity, noise, sigmas).cpu())
+    return torch.cat(out)
+
+
+@contextmanager
+def rollout_network(policy: Policy, precision: ExplorePrecision | str, min_dim: int = 0) -> Iterator[nn.Module]:
+    """The network that samples for the rollout policy at ``precision``.
+
+    ``bf16``: the peft transformer with the ``rollout`` adapter active. ``nvfp4_emulated``: a copy with the
+    rollout adapter merged and its Linear / 1x1-conv layers fake-quantized W4A4 in NVFP4 (DESIGN 2; skips from
+    the model adapter, plus ``max(in, out) <= min_dim``).
+
+    Raises:
+        ValueError: unknown precision.
+    """
+    if precision == "bf16":
+        with policy.using("rollout") as net:
+            yield net
+    elif precision == "nvfp4_emulated":
+        net = policy.merged_copy("rollout")
+        quantize_model_(net, fmt="nvfp4", skip=policy.model.nvfp4_skip, min_dim=min_dim)
+        yield net
+    else:
+        raise ValueError(f"unknown explore precision {precision!r}; this machine runs: bf16, nvfp4_emulated")

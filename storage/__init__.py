@@ -1,0 +1,1 @@
+"""Run layout, Zarr pools, Parquet tables, manifests, checkpoints and tracking."""

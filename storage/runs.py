@@ -1,0 +1,115 @@
+"""The run store: ``<root>/<run_id>/run.json`` plus one folder per iteration (DESIGN 4)."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+from solrl import __version__
+from solrl.config import ConfigError, RunConfig, validate_config
+from solrl.storage.stage import MANIFEST, write_json_atomic
+
+RUN_FILE = "run.json"
+_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+@dataclass(frozen=True)
+class Run:
+    """A run on disk: its id, folder and (validated) config."""
+
+    run_id: str
+    run_dir: Path
+    config: RunConfig
+
+
+def new_run_id(name: str) -> str:
+    """``<preset>-<UTC yyyymmdd-hhmmss>-<4 hex>``."""
+    return f"{name}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
+
+
+def check_run_id(run_id: str) -> str:
+    """Raises ConfigError unless ``run_id`` is a safe folder name."""
+    if not _RUN_ID.match(run_id):
+        raise ConfigError(f"run id {run_id!r} must be 1-128 characters of letters, digits, '.', '_' or '-'")
+    return run_id
+
+
+def create_run(cfg: RunConfig, run_id: str | None = None) -> Run:
+    """Create ``<storage.root>/<run_id>/run.json`` (atomically).
+
+    Raises:
+        ConfigError: bad run id, or a run of that id already exists (use ``solrl resume``).
+    """
+    run_id = check_run_id(run_id or new_run_id(cfg.name))
+    run_dir = Path(cfg.storage.root).expanduser().resolve() / run_id
+    if (run_dir / RUN_FILE).exists():
+        raise ConfigError(f"run {run_id!r} already exists in {run_dir.parent}; continue it with `solrl resume {run_id}`")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(run_dir / RUN_FILE, {
+        "run_id": run_id, "config": cfg.model_dump(mode="json"), "config_hash": cfg.digest(),
+        "solrl_version": __version__, "created": datetime.now(timezone.utc).isoformat(),
+    })
+    return Run(run_id, run_dir, cfg)
+
+
+def open_run(root: str | Path, run_id: str) -> Run:
+    """Open an existing run; its config comes from ``run.json``, never from the current presets.
+
+    Raises:
+        ConfigError: no such run, or an unreadable ``run.json``.
+    """
+    run_dir = Path(root).expanduser().resolve() / check_run_id(run_id)
+    try:
+        data = json.loads((run_dir / RUN_FILE).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        known = ", ".join(r["run_id"] for r in list_runs(root)[-5:]) or "none"
+        raise ConfigError(f"no run {run_id!r} in {run_dir.parent} (recent: {known}); see `solrl ls`") from None
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{run_dir / RUN_FILE} is unreadable ({exc})") from exc
+    cfg = validate_config(data["config"])
+    if cfg.digest() != data["config_hash"]:
+        raise ConfigError(f"{run_dir / RUN_FILE}: config does not match its recorded hash; the file was edited")
+    return Run(run_id, run_dir, cfg)
+
+
+def list_runs(root: str | Path) -> list[dict[str, object]]:
+    """Summaries of the runs under ``root``, oldest first: id, created, iterations committed."""
+    rows = []
+    for run_file in sorted(Path(root).expanduser().glob(f"*/{RUN_FILE}")):
+        try:
+            data = json.loads(run_file.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        done = [d for d in run_file.parent.glob("iter_*") if (d / "checkpoint" / MANIFEST).exists()]
+        rows.append({"run_id": data.get("run_id", run_file.parent.name), "created": data.get("created", ""),
+                     "iterations_done": len(done),
+                     "iterations": data.get("config", {}).get("campaign", {}).get("iterations", "?"),
+                     "path": str(run_file.parent)})
+    return sorted(rows, key=lambda r: str(r["created"]))
+
+
+@contextmanager
+def run_lock(run_dir: Path) -> Iterator[None]:
+    """Hold an exclusive lock on the run (``<run_dir>/.lock``, flock: released by the OS if the process dies).
+
+    Raises:
+        ConfigError: another live process holds the run.
+    """
+    fd = os.open(Path(run_dir) / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ConfigError(f"run {Path(run_dir).name!r} is being written by another process; wait for it "
+                              f"or stop it, then `solrl resume {Path(run_dir).name}`") from None
+        yield
+    finally:
+        os.close(fd)

@@ -1,0 +1,209 @@
+"""Stage directories, their manifests, and the atomic commit protocol (DESIGN 4).
+
+A stage writes into a temporary sibling (``iter_000003/.explore.tmp-<uuid>``),
+which is renamed into place when complete; ``_MANIFEST.json`` (files, sizes,
+sha256 checksums, inputs hash, metrics) is written last, itself through a
+temporary file and ``os.replace``. A stage directory without a valid manifest
+does not exist: readers refuse it, and a re-run deletes and redoes it. Resume
+trusts manifests, not memory: ``run_or_skip`` returns the committed manifest
+when its inputs hash matches, whatever happened to the Prefect database.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+MANIFEST = "_MANIFEST.json"
+
+
+class StageNotCommitted(FileNotFoundError):
+    """A stage output was asked for but has no valid manifest (never ran, crashed, or was tampered with)."""
+
+
+class FileEntry(BaseModel):
+    size: int
+    sha256: str
+
+
+class StageManifest(BaseModel):
+    """What a committed stage wrote, from which inputs, and what it measured."""
+
+    run_id: str
+    iteration: int
+    stage: str
+    inputs_hash: str
+    files: dict[str, FileEntry]
+    metrics: dict[str, float] = {}
+    info: dict[str, Any] = {}
+    seconds: float = 0.0
+    created: str = ""
+
+    def digest(self) -> str:
+        """sha256 over the inputs hash and every file checksum: what downstream stages hash as their input."""
+        payload = json.dumps({"inputs": self.inputs_hash, "files": {k: v.sha256 for k, v in self.files.items()}},
+                             sort_keys=True)
+        return hashlib.sha256(payload.encode()).hexdigest()
+
+
+@dataclass
+class StageOutput:
+    """What a stage function returns besides its files: scalar metrics and small JSON info."""
+
+    metrics: dict[str, float] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def iteration_dir(run_dir: Path, iteration: int) -> Path:
+    return Path(run_dir) / f"iter_{iteration:06d}"
+
+
+def stage_dir(run_dir: Path, iteration: int, stage: str) -> Path:
+    return iteration_dir(run_dir, iteration) / stage
+
+
+def inputs_hash(run_id: str, iteration: int, stage: str, config_digest: str,
+                upstream: dict[str, StageManifest | None]) -> str:
+    """The cache key of a stage: (run id, iteration, stage, config hash, upstream manifest digests)."""
+    payload = {"run_id": run_id, "iteration": iteration, "stage": stage, "config": config_digest,
+               "upstream": {k: (m.digest() if m else None) for k, m in sorted(upstream.items())}}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_tree(root: Path) -> dict[str, FileEntry]:
+    """fsync every file under ``root`` and return their entries (posix relative paths)."""
+    entries = {}
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+        entries[path.relative_to(root).as_posix()] = FileEntry(size=path.stat().st_size, sha256=_sha256(path))
+    return entries
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Write JSON to ``path`` via a temporary file, fsync and ``os.replace``: readers see old or new, never half."""
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _fsync_dir(path.parent)
+
+
+def read_manifest(run_dir: Path, iteration: int, stage: str, *, verify: bool = False) -> StageManifest | None:
+    """The stage's manifest if the stage is committed, else None.
+
+    Committed means: ``_MANIFEST.json`` parses, names this stage and iteration, and every file it lists exists
+    with its recorded size (and sha256, with ``verify=True``).
+    """
+    directory = stage_dir(run_dir, iteration, stage)
+    try:
+        manifest = StageManifest.model_validate_json((directory / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if manifest.stage != stage or manifest.iteration != iteration:
+        return None
+    for rel, entry in manifest.files.items():
+        path = directory / rel
+        try:
+            if path.stat().st_size != entry.size or (verify and _sha256(path) != entry.sha256):
+                return None
+        except OSError:
+            return None
+    return manifest
+
+
+def require(run_dir: Path, iteration: int, stage: str) -> tuple[Path, StageManifest]:
+    """The directory and manifest of a committed stage, for reading its outputs.
+
+    Raises:
+        StageNotCommitted: the stage has no valid manifest; its directory must not be read.
+    """
+    manifest = read_manifest(run_dir, iteration, stage)
+    if manifest is None:
+        raise StageNotCommitted(f"iteration {iteration} stage {stage!r} has no valid manifest in {run_dir}")
+    return stage_dir(run_dir, iteration, stage), manifest
+
+
+def _remove(path: Path) -> None:
+    """Remove an uncommitted stage directory: rename it aside first so a crash never half-deletes in place."""
+    if not path.exists():
+        return
+    trash = path.with_name(f".{path.name}.trash-{uuid.uuid4().hex[:8]}")
+    os.replace(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def commit(run_dir: Path, run_id: str, iteration: int, stage: str, key: str,
+           write: Callable[[Path], StageOutput]) -> StageManifest:
+    """Run ``write(tmp_dir)`` and commit what it wrote as the stage's output.
+
+    Steps: write into a fresh temporary sibling; fsync; move any previous (uncommitted or stale) directory
+    aside; rename the temporary directory into place; write the manifest last. On any exception the
+    temporary directory is removed and nothing is committed.
+    """
+    final = stage_dir(run_dir, iteration, stage)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(f".{stage}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir()
+    start = time.perf_counter()
+    try:
+        output = write(tmp)
+        files = _fsync_tree(tmp)
+        _remove(final)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    manifest = StageManifest(
+        run_id=run_id, iteration=iteration, stage=stage, inputs_hash=key, files=files,
+        metrics={k: float(v) for k, v in output.metrics.items()}, info=output.info,
+        seconds=round(time.perf_counter() - start, 4), created=datetime.now(timezone.utc).isoformat(),
+    )
+    write_json_atomic(final / MANIFEST, manifest.model_dump(mode="json"))
+    return manifest
+
+
+def run_or_skip(run_dir: Path, run_id: str, iteration: int, stage: str, key: str,
+                write: Callable[[Path], StageOutput]) -> tuple[StageManifest, bool]:
+    """Commit the stage unless a committed manifest with inputs hash ``key`` exists.
+
+    Returns:
+        (manifest, skipped): skipped is True when the committed output was reused.
+    """
+    existing = read_manifest(run_dir, iteration, stage)
+    if existing is not None and existing.inputs_hash == key:
+        return existing, True
+    return commit(run_dir, run_id, iteration, stage, key, write), False

@@ -1,0 +1,95 @@
+"""MLflow tracking: one MLflow run per solrl run, resumed with it.
+
+By default the tracking store is a sqlite file in the run store
+(``<storage.root>/mlflow.db``; MLflow 3 refuses its old file store) and
+artifacts go to ``<storage.root>/mlartifacts``. A ``tracking.mlflow_uri`` in
+the config, or ``MLFLOW_TRACKING_URI`` in the environment, is honoured.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from solrl.config import RunConfig
+from solrl.storage.stage import write_json_atomic
+
+TRACKING_FILE = "tracking.json"
+
+
+def tracking_uri(cfg: RunConfig) -> str:
+    """The MLflow tracking URI for ``cfg``: config, then ``MLFLOW_TRACKING_URI``, then sqlite in the store."""
+    if cfg.tracking.mlflow_uri:
+        return cfg.tracking.mlflow_uri
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return os.environ["MLFLOW_TRACKING_URI"]
+    root = Path(cfg.storage.root).expanduser().resolve()
+    return f"sqlite:///{root / 'mlflow.db'}"
+
+
+def _flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out.update(_flatten(value, f"{name}."))
+        else:
+            out[name] = value
+    return out
+
+
+class Tracker:
+    """Logs a run's params, per-iteration metrics and artifacts to MLflow.
+
+    The MLflow run id is kept in ``<run_dir>/tracking.json`` so ``solrl resume`` continues the same MLflow run.
+    """
+
+    def __init__(self, cfg: RunConfig, run_dir: Path, run_id: str) -> None:
+        import mlflow
+
+        self._mlflow = mlflow
+        self.uri = tracking_uri(cfg)
+        root = Path(cfg.storage.root).expanduser().resolve()
+        root.mkdir(parents=True, exist_ok=True)
+        mlflow.set_tracking_uri(self.uri)
+        client = mlflow.MlflowClient()
+        experiment = client.get_experiment_by_name(cfg.tracking.experiment)
+        if experiment is None:
+            artifacts = (root / "mlartifacts").as_uri() if self.uri.startswith("sqlite:") else None
+            experiment_id = client.create_experiment(cfg.tracking.experiment, artifact_location=artifacts)
+        else:
+            experiment_id = experiment.experiment_id
+        state_file = run_dir / TRACKING_FILE
+        stored = json.loads(state_file.read_text()) if state_file.exists() else {}
+        if stored.get("mlflow_run_id") and stored.get("tracking_uri") == self.uri:
+            self.mlflow_run_id = stored["mlflow_run_id"]
+        else:
+            run = client.create_run(experiment_id, run_name=run_id, tags={"solrl.run_id": run_id})
+            self.mlflow_run_id = run.info.run_id
+            write_json_atomic(state_file, {"mlflow_run_id": self.mlflow_run_id, "tracking_uri": self.uri,
+                                           "experiment_id": experiment_id})
+            params = _flatten(cfg.model_dump(mode="json", exclude={"base_dir"}))
+            for key, value in params.items():
+                client.log_param(self.mlflow_run_id, key, str(value)[:6000])
+            client.log_param(self.mlflow_run_id, "config_hash", cfg.digest())
+        self.client = client
+        self.experiment_id = experiment_id
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        """Log scalar metrics at ``step`` (the iteration)."""
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [Metric(key=k, value=float(v), timestamp=now, step=step) for k, v in metrics.items()]
+        for i in range(0, len(batch), 900):
+            self.client.log_batch(self.mlflow_run_id, metrics=batch[i: i + 900])
+
+    def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
+        self.client.log_artifact(self.mlflow_run_id, str(path), artifact_path)
+
+    def finish(self, status: str = "FINISHED") -> None:
+        self.client.set_terminated(self.mlflow_run_id, status=status)

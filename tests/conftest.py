@@ -1,0 +1,37 @@
+"""Test environment: offline, a private Prefect home, tiny run configs."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="solrl-prefect-"))
+os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+os.environ["DO_NOT_TRACK"] = "1"
+os.environ.pop("MLFLOW_TRACKING_URI", None)
+os.environ.pop("PREFECT_API_URL", None)
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from solrl.config import RunConfig, load_config  # noqa: E402
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+#: Overrides that make a tiny-digits run take seconds: 2 prompts x pool 8, keep 4, 2 iterations.
+TINY = [
+    "explore.pool_size=8", "select.k=4", "campaign.prompts_per_iteration=2", "campaign.eval_seeds=2",
+    "campaign.iterations=2", "train.optimizer_steps=2", "tracking.grid_prompts=2",
+]
+
+
+def tiny_config(root: Path, *extra: str) -> RunConfig:
+    return load_config("tiny-digits", [*TINY, f"storage.root={root}", *extra])
+
+
+@pytest.fixture
+def tiny_cfg(tmp_path: Path) -> RunConfig:
+    return tiny_config(tmp_path / "runs")

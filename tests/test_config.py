@@ -1,0 +1,98 @@
+"""Config loading: presets, overrides, and every error a user can make, each one line naming the fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from solrl.config import ConfigError, RunConfig, list_presets, load_config
+
+
+def test_default_preset_is_tiny_digits_and_valid():
+    cfg = load_config()
+    assert cfg.name == "tiny-digits"
+    assert "tiny-digits" in list_presets()
+    assert cfg.explore.precision == "nvfp4_emulated"
+    assert len(cfg.train_prompts()) >= cfg.campaign.prompts_per_iteration
+
+
+def test_set_overrides_parse_yaml_values():
+    cfg = load_config(None, ["explore.pool_size=64", "select.k=16", "train.global_std=false"])
+    assert (cfg.explore.pool_size, cfg.select.k, cfg.train.global_std) == (64, 16, False)
+
+
+def test_config_is_frozen_and_hash_changes_with_values():
+    a, b = load_config(), load_config(None, ["train.lr=0.01"])
+    with pytest.raises(Exception):
+        a.train.lr = 1.0  # type: ignore[misc]
+    assert a.digest() != b.digest()
+    assert a.digest() == load_config().digest()
+
+
+@pytest.mark.parametrize(("overrides", "match"), [
+    (["select.k=7"], r"select.k=7 must be even.*set select.k=8"),
+    (["select.k=40"], r"select.k=40 exceeds explore.pool_size=32"),
+    (["explore.precision=fp3"], r"explore.precision: Input should be 'bf16' or 'nvfp4_emulated'.*'fp3'"),
+    (["explore.pool_sise=8"], r"explore.pool_sise: unknown key"),
+    (["bogus.key=1"], r"bogus: unknown key"),
+    (["explore.steps=0"], r"explore.steps: Input should be greater than or equal to 1"),
+    (["train.timestep_fraction=1.5"], r"train.timestep_fraction: Input should be less than or equal to 1"),
+    (["reward.weights={clipscore: 1.0}"], r"reward.weights.clipscore"),
+    (["explore.pool_size"], r"expected section.key=value"),
+    (["campaign.prompts_file=/nonexistent/prompts.txt"], r"campaign.prompts_file: cannot read prompt file"),
+])
+def test_bad_overrides_raise_one_line_config_error(overrides, match):
+    with pytest.raises(ConfigError, match=match) as info:
+        load_config(None, overrides)
+    assert "\n" not in str(info.value)
+
+
+def test_missing_config_file(tmp_path: Path):
+    with pytest.raises(ConfigError, match="cannot read config"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_unknown_preset_lists_presets():
+    with pytest.raises(ConfigError, match="no preset or file named 'nope'; presets: .*tiny-digits"):
+        load_config("nope")
+
+
+def test_malformed_yaml_names_the_line(tmp_path: Path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("explore:\n  pool_size: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML at line"):
+        load_config(path)
+
+
+def test_non_mapping_yaml(tmp_path: Path):
+    path = tmp_path / "list.yaml"
+    path.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="must be a mapping of sections"):
+        load_config(path)
+
+
+def test_empty_prompt_file(tmp_path: Path):
+    (tmp_path / "empty.txt").write_text("# only a comment\n\n")
+    with pytest.raises(ConfigError, match="holds no prompt"):
+        load_config(None, [f"campaign.prompts_file={tmp_path / 'empty.txt'}"])
+
+
+def test_unreadable_prompt_file(tmp_path: Path):
+    path = tmp_path / "binary.txt"
+    path.write_bytes(b"\xff\xfe\x00bad")
+    with pytest.raises(ConfigError, match="cannot read prompt file"):
+        load_config(None, [f"campaign.eval_prompts_file={path}"])
+
+
+def test_relative_prompt_files_resolve_against_the_preset(tmp_path: Path):
+    (tmp_path / "p.txt").write_text("a handwritten digit four\n")
+    (tmp_path / "run.yaml").write_text("campaign:\n  prompts_file: p.txt\n  prompts_per_iteration: 1\n")
+    cfg = load_config(tmp_path / "run.yaml")
+    assert cfg.train_prompts() == ["a handwritten digit four"]
+
+
+def test_config_round_trips_through_json():
+    cfg = load_config()
+    again = RunConfig.model_validate(cfg.model_dump(mode="json"))
+    assert again.digest() == cfg.digest()

@@ -1,0 +1,89 @@
+"""The whole pipeline through Prefect: a 2-iteration campaign, its MLflow record, a re-run that skips
+everything, and SIGKILL mid-iteration followed by ``solrl resume``."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import TINY, tiny_config
+from solrl.stages.pipeline import ITERATION
+from solrl.storage.runs import create_run, list_runs
+from solrl.storage.stage import read_manifest, stage_dir
+
+pytestmark = pytest.mark.slow
+
+
+def _committed(run_dir: Path, iterations: int) -> dict[tuple[int, str], str]:
+    found = {(0, "evaluate"): read_manifest(run_dir, 0, "evaluate")}
+    for i in range(1, iterations + 1):
+        for stage in ITERATION:
+            found[(i, stage.name)] = read_manifest(run_dir, i, stage.name)
+    assert all(found.values()), [k for k, v in found.items() if v is None]
+    return {k: v.created for k, v in found.items()}
+
+
+def test_two_iteration_campaign_commits_every_stage_logs_mlflow_and_reruns_as_skips(tmp_path: Path):
+    import mlflow
+
+    from solrl.flows.sol_rl import campaign
+    from solrl.storage.tracking import tracking_uri
+
+    cfg = tiny_config(tmp_path / "store")
+    run = create_run(cfg, "flow")
+    campaign(str(run.run_dir.parent), run.run_id)
+    created = _committed(run.run_dir, 2)
+
+    client = mlflow.MlflowClient(tracking_uri(cfg))
+    (mlflow_run,) = client.search_runs(client.get_experiment_by_name("solrl").experiment_id)
+    history = client.get_metric_history(mlflow_run.info.run_id, "eval/digit_alignment")
+    assert sorted(m.step for m in history) == [0, 1, 2]
+    for key in ("explore/reward_mean", "regenerate/reward_std", "fidelity/spearman", "train/loss",
+                "seconds/explore", "eval/diversity"):
+        assert [m.step for m in client.get_metric_history(mlflow_run.info.run_id, key)], key
+    artifacts = {a.path for a in client.list_artifacts(mlflow_run.info.run_id)}
+    assert {"best_worst", "eval_samples"} <= artifacts
+    assert mlflow_run.data.params["explore.precision"] == "nvfp4_emulated"
+
+    campaign(str(run.run_dir.parent), run.run_id)  # everything committed: a re-run changes nothing
+    assert _committed(run.run_dir, 2) == created
+    assert list_runs(run.run_dir.parent)[0]["iterations_done"] == 2
+
+
+def test_sigkill_mid_iteration_then_resume_completes_and_skips_committed_stages(tmp_path: Path):
+    store = tmp_path / "store"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    solrl = [sys.executable, "-m", "solrl.cli"]
+    overrides = [a for o in [*TINY, f"storage.root={store}"] for a in ("--set", o)]
+    proc = subprocess.Popen([*solrl, "run", *overrides, "--run-id", "killme"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    run_dir = store / "killme"
+    deadline = time.time() + 240
+    try:
+        while read_manifest(run_dir, 1, "select") is None:  # wait until iteration 1 is half done
+            assert proc.poll() is None, "solrl run ended before it could be killed"
+            assert time.time() < deadline, "iteration 1 never reached select"
+            time.sleep(0.05)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert read_manifest(run_dir, 1, "checkpoint") is None  # killed mid-iteration
+    done_before = {s.name for s in ITERATION if read_manifest(run_dir, 1, s.name)}
+    assert {"explore", "score_explore", "select"} <= done_before
+
+    result = subprocess.run([*solrl, "resume", "killme", "--store", str(store)], env=env, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    log = result.stdout + result.stderr
+    for stage in done_before:
+        assert f"iteration 1 {stage}: committed manifest matches inputs" in log
+    _committed(run_dir, 2)
+    leftovers = [p for p in run_dir.rglob(".*") if ".tmp-" in p.name or ".trash-" in p.name]
+    assert leftovers == []
+    assert stage_dir(run_dir, 2, "checkpoint").exists()

@@ -1,0 +1,138 @@
+"""tiny-digits model, the LoRA policy/rollout/EMA adapters, the explore copy, and the rewards."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from solrl.config import load_config
+from solrl.stages.models import load_model
+from solrl.stages.models import tiny_digits as td
+from solrl.stages.policy import Policy
+from solrl.stages.quant import FakeQuantLinear
+from solrl.stages.rewards import RewardError, build_reward
+from solrl.stages.rewards.base import checked
+from solrl.stages.rollout import generate, rollout_network
+
+
+@pytest.fixture(scope="module")
+def policy() -> Policy:
+    cfg = load_config()
+    return Policy(load_model(cfg.model, torch.device("cpu")), rank=4, alpha=4.0, seed=0)
+
+
+def _inputs(policy: Policy, n: int = 3):
+    torch.manual_seed(1)
+    emb, mask = policy.model.encode(["a handwritten digit three"] * n)
+    return torch.randn(n, 1, 16, 16), torch.full((n,), 0.7), emb, mask
+
+
+def test_prompt_digit_and_tokenizer():
+    assert td.prompt_digit("a handwritten digit seven") == 7
+    assert td.prompt_digit("number 4") == 4
+    with pytest.raises(ValueError, match="names no digit"):
+        td.prompt_digit("a cat")
+    ids, mask = td.tokenize(["the digit two", "zebra"])
+    assert ids.shape == (2, td.MAX_TOKENS) and mask[0].tolist() == [1, 1, 1, 0, 0, 0]
+    assert ids[1, 0] == td.VOCAB.index("<unk>")
+
+
+def test_shipped_model_is_a_real_diffusers_sana_transformer():
+    from diffusers import SanaTransformer2DModel
+
+    model = load_model(load_config().model, torch.device("cpu"))
+    assert isinstance(model.transformer, SanaTransformer2DModel)
+    assert sum(p.numel() for p in model.transformer.parameters()) < 400_000
+
+
+def test_fresh_adapters_are_identical_and_equal_to_the_base(policy: Policy):
+    x, s, emb, mask = _inputs(policy)
+    outs = [policy.velocity(w, x, s, emb, mask) for w in ("policy", "rollout", "ema", "reference")]
+    for out in outs[1:]:
+        torch.testing.assert_close(out, outs[0])
+
+
+def test_only_the_policy_adapter_is_trainable(policy: Policy):
+    trainable = {id(p) for p in policy.trainable_parameters()}
+    for name, p in policy.transformer.named_parameters():
+        assert p.requires_grad == (id(p) in trainable), name
+    with policy.using("rollout"):
+        pass
+    assert all(p.requires_grad for p in policy.trainable_parameters())
+
+
+def test_blend_moves_rollout_toward_policy_and_merged_copy_matches(policy: Policy):
+    x, s, emb, mask = _inputs(policy)
+    with torch.no_grad():
+        for p in policy.trainable_parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    policy.blend_("rollout", "policy", decay=0.0)
+    torch.testing.assert_close(policy.velocity("rollout", x, s, emb, mask),
+                               policy.velocity("policy", x, s, emb, mask).detach())
+    assert not torch.allclose(policy.velocity("rollout", x, s, emb, mask),
+                              policy.velocity("reference", x, s, emb, mask))
+    merged = policy.merged_copy("rollout")
+    torch.testing.assert_close(policy.model.velocity(merged, x, s, emb, mask),
+                               policy.velocity("rollout", x, s, emb, mask), rtol=1e-4, atol=1e-5)
+    assert not any("lora" in n for n, _ in merged.named_parameters())
+
+
+def test_adapter_state_round_trip_and_mismatch_error(policy: Policy):
+    state = policy.state_dict("policy")
+    policy.load_state_dict("ema", state)
+    torch.testing.assert_close(policy.state_dict("ema"), state)
+    with pytest.raises(KeyError, match="does not match the model"):
+        policy.load_state_dict("ema", {"nope": torch.zeros(1)})
+
+
+def test_nvfp4_explore_copy_quantizes_attention_and_ff_but_not_embedders(policy: Policy):
+    with rollout_network(policy, "nvfp4_emulated") as net:
+        wrapped = {n for n, m in net.named_modules() if isinstance(m, FakeQuantLinear)}
+    assert "transformer_blocks.0.attn1.to_q" in wrapped and "transformer_blocks.2.ff.conv_point" in wrapped
+    assert not any(k in n for n in wrapped for k in ("patch_embed", "time_embed", "caption_projection", "proj_out"))
+    with pytest.raises(ValueError, match="unknown explore precision 'fp3'"):
+        with rollout_network(policy, "fp3"):
+            pass
+
+
+def test_same_seed_same_image_and_nvfp4_differs_slightly(policy: Policy):
+    prompts, seeds = ["a handwritten digit five"] * 3, [11, 12, 11]
+    with rollout_network(policy, "bf16") as net:
+        a = generate(policy.model, net, prompts, seeds, 4, 8)
+        b = generate(policy.model, net, prompts, seeds, 4, 8)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.testing.assert_close(a[0], a[2], rtol=0, atol=0)
+    assert not torch.equal(a[0], a[1])
+    with rollout_network(policy, "nvfp4_emulated") as net:
+        q = generate(policy.model, net, prompts, seeds, 4, 8)
+    assert 0 < (q - a).abs().mean() < 0.5 * a.abs().mean()
+
+
+def test_digit_rewards_recognise_real_held_out_digits():
+    _, _, x_te, y_te = td.load_digits_16()
+    images = td.latents_to_images(torch.from_numpy(x_te[:40]))
+    prompts = [f"a handwritten digit {td.DIGIT_WORDS[y]}" for y in y_te[:40]]
+    wrong = [f"a handwritten digit {td.DIGIT_WORDS[(y + 1) % 10]}" for y in y_te[:40]]
+    for name in ("digit_alignment", "digit_evaluator"):
+        reward = build_reward(name)
+        right_p, wrong_p = checked(reward, images, prompts), checked(reward, images, wrong)
+        assert right_p.dtype == np.float32 and right_p.mean() > 0.9 and wrong_p.mean() < 0.1
+
+
+def test_jpeg_compressibility_prefers_flat_images():
+    flat = np.full((1, 16, 16, 3), 128, np.uint8)
+    noisy = np.random.default_rng(0).integers(0, 255, (1, 16, 16, 3), dtype=np.uint8)
+    reward = build_reward("jpeg_compressibility")
+    assert reward(flat, ["x"])[0] > reward(noisy, ["x"])[0]
+
+
+def test_a_nan_reward_is_an_error_naming_the_prompt():
+    class Broken:
+        name = "broken"
+
+        def __call__(self, images, prompts, metadata=None):
+            return np.array([0.5, np.nan], np.float32)
+
+    with pytest.raises(RewardError, match="returned nan for prompt 'b'"):
+        checked(Broken(), np.zeros((2, 16, 16, 3), np.uint8), ["a", "b"])

@@ -1,0 +1,124 @@
+"""Atomic stage commits, manifests, and the array/table/checkpoint formats."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from solrl.storage.arrays import read_arrays, write_arrays
+from solrl.storage.checkpoints import (load_checkpoint, optimizer_from_tensors, optimizer_to_tensors,
+                                       save_checkpoint)
+from solrl.storage.stage import (MANIFEST, StageNotCommitted, StageOutput, commit, read_manifest, require,
+                                 run_or_skip, stage_dir)
+from solrl.storage.tables import read_table, write_table
+
+
+def _write_two_files(out: Path) -> StageOutput:
+    (out / "a.txt").write_text("alpha")
+    (out / "sub").mkdir()
+    (out / "sub" / "b.bin").write_bytes(b"\x00" * 10)
+    return StageOutput(metrics={"m": 1.5}, info={"note": "x"})
+
+
+def test_commit_writes_files_then_manifest_with_sizes_and_checksums(tmp_path: Path):
+    manifest = commit(tmp_path, "r", 1, "explore", "key1", _write_two_files)
+    directory = stage_dir(tmp_path, 1, "explore")
+    assert sorted(manifest.files) == ["a.txt", "sub/b.bin"]
+    assert manifest.files["sub/b.bin"].size == 10
+    on_disk = json.loads((directory / MANIFEST).read_text())
+    assert on_disk["inputs_hash"] == "key1" and on_disk["metrics"] == {"m": 1.5}
+    assert read_manifest(tmp_path, 1, "explore", verify=True) == manifest
+    assert not list(directory.parent.glob(".explore.tmp-*"))
+
+
+def test_a_crash_inside_a_stage_commits_nothing_and_leaves_no_temp(tmp_path: Path):
+    def crash(out: Path) -> StageOutput:
+        (out / "half.txt").write_text("half")
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        commit(tmp_path, "r", 1, "explore", "k", crash)
+    assert read_manifest(tmp_path, 1, "explore") is None
+    assert not stage_dir(tmp_path, 1, "explore").exists()
+    assert list(stage_dir(tmp_path, 1, "explore").parent.iterdir()) == []
+
+
+def test_a_directory_without_manifest_is_never_read(tmp_path: Path):
+    commit(tmp_path, "r", 1, "explore", "k", _write_two_files)
+    (stage_dir(tmp_path, 1, "explore") / MANIFEST).unlink()  # as if killed before the manifest
+    assert read_manifest(tmp_path, 1, "explore") is None
+    with pytest.raises(StageNotCommitted, match="no valid manifest"):
+        require(tmp_path, 1, "explore")
+
+
+def test_a_truncated_file_invalidates_the_stage(tmp_path: Path):
+    commit(tmp_path, "r", 1, "explore", "k", _write_two_files)
+    (stage_dir(tmp_path, 1, "explore") / "a.txt").write_text("alp")
+    assert read_manifest(tmp_path, 1, "explore") is None
+
+
+def test_corrupt_content_of_same_size_is_caught_by_verify(tmp_path: Path):
+    commit(tmp_path, "r", 1, "explore", "k", _write_two_files)
+    (stage_dir(tmp_path, 1, "explore") / "a.txt").write_text("ALPHA")
+    assert read_manifest(tmp_path, 1, "explore") is not None
+    assert read_manifest(tmp_path, 1, "explore", verify=True) is None
+
+
+def test_run_or_skip_reuses_a_matching_manifest_and_redoes_a_changed_one(tmp_path: Path):
+    calls = []
+
+    def write(out: Path) -> StageOutput:
+        calls.append(out)
+        return _write_two_files(out)
+
+    first, skipped = run_or_skip(tmp_path, "r", 2, "select", "k1", write)
+    assert not skipped
+    again, skipped = run_or_skip(tmp_path, "r", 2, "select", "k1", write)
+    assert skipped and again == first and len(calls) == 1
+    changed, skipped = run_or_skip(tmp_path, "r", 2, "select", "k2", write)
+    assert not skipped and changed.inputs_hash == "k2" and len(calls) == 2
+
+
+def test_zarr_pool_round_trip(tmp_path: Path):
+    images = np.random.default_rng(0).integers(0, 255, (2, 3, 4, 4, 3), dtype=np.uint8)
+    seeds = np.arange(6, dtype=np.int64).reshape(2, 3)
+    write_arrays(tmp_path / "pool.zarr", {"images": images, "seeds": seeds}, {"prompts": ["a", "b"]})
+    arrays, attrs = read_arrays(tmp_path / "pool.zarr")
+    np.testing.assert_array_equal(arrays["images"], images)
+    np.testing.assert_array_equal(arrays["seeds"], seeds)
+    assert arrays["seeds"].dtype == np.int64 and attrs["prompts"] == ["a", "b"]
+
+
+def test_zarr_pool_refuses_disagreeing_prompt_axes(tmp_path: Path):
+    with pytest.raises(ValueError, match="disagree on the prompt axis"):
+        write_arrays(tmp_path / "p.zarr", {"a": np.zeros((2, 3)), "b": np.zeros((3, 3))})
+
+
+def test_parquet_round_trip(tmp_path: Path):
+    frame = pd.DataFrame({"seed": np.array([1, 2], np.int64), "value": np.array([0.5, 0.25], np.float32)})
+    write_table(tmp_path / "t.parquet", frame)
+    pd.testing.assert_frame_equal(read_table(tmp_path / "t.parquet"), frame)
+
+
+def test_checkpoint_and_optimizer_state_round_trip(tmp_path: Path):
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(3, 2)), torch.nn.Parameter(torch.randn(4))]
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    sum(p.sum() for p in params).backward()
+    opt.step()
+    tensors, groups = optimizer_to_tensors(opt)
+    save_checkpoint(tmp_path / "ck", {"optimizer": tensors, "policy": {"w": params[0].detach()}},
+                    {"global_step": 1, "optimizer_param_groups": groups})
+    sections, state = load_checkpoint(tmp_path / "ck")
+    fresh = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone()) for p in params], lr=5.0)
+    optimizer_from_tensors(fresh, sections["optimizer"], state["optimizer_param_groups"])
+    assert fresh.param_groups[0]["lr"] == 1e-3
+    for a, b in zip(opt.state_dict()["state"].values(), fresh.state_dict()["state"].values()):
+        for key in a:
+            torch.testing.assert_close(torch.as_tensor(a[key]), torch.as_tensor(b[key]))
+    torch.testing.assert_close(sections["policy"]["w"], params[0].detach())
