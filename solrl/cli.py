@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
+import pandas as pd
 import typer
 
 from solrl.config import ConfigError, load_config
@@ -110,6 +111,56 @@ def list_(store: StoreOption = "runs") -> None:
         table.add_row(str(row["run_id"]), str(row["created"])[:19], f"{row['iterations_done']}/{row['iterations']}",
                       str(row["path"]))
     Console().print(table)
+
+
+@app.command()
+def report(
+    run_id: Annotated[str, typer.Argument(help="The run to summarise.")],
+    store: StoreOption = "runs",
+    plot: Annotated[Optional[Path], typer.Option(help="Also save the evaluation curves as a PNG here.")] = None,
+) -> None:
+    """Per-iteration table of a run (evaluation, rewards, fidelity, seconds), from its manifests."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from solrl.stages.pipeline import ITERATION
+    from solrl.storage.report import collect_metrics
+    from solrl.storage.runs import open_run
+
+    try:
+        run_ = open_run(store, run_id)
+    except ConfigError as exc:
+        _fail(str(exc))
+    frame = collect_metrics(run_.run_dir, tuple(s.name for s in ITERATION))
+    if frame.empty:
+        _fail(f"run {run_id} has no committed stage yet")
+    columns = [c for c in ("eval/digit_alignment", "eval/digit_evaluator", "eval/diversity", "explore/reward_mean",
+                           "regenerate/reward_mean", "fidelity/spearman", "fidelity/kendall", "train/loss")
+               if c in frame]
+    frame["seconds/iteration"] = frame.filter(like="seconds/").drop(columns="seconds/evaluate", errors="ignore").sum(1)
+    table = Table("iter", *[c.split("/", 1)[1] if c.startswith("eval/") else c for c in columns], "s/iter",
+                  title=f"run {run_id}")
+    for _, row in frame.iterrows():
+        table.add_row(str(int(row["iteration"])), *[f"{row[c]:.4f}" if pd.notna(row[c]) else "" for c in columns],
+                      f"{row['seconds/iteration']:.1f}")
+    Console(width=200).print(table)
+    if plot is not None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        evals = [c for c in frame if c.startswith("eval/")]
+        fig, axes = plt.subplots(1, len(evals), figsize=(4 * len(evals), 3.2))
+        for ax, column in zip(axes, evals):
+            data = frame[["iteration", column]].dropna()
+            ax.plot(data["iteration"], data[column], marker="o", ms=3)
+            ax.set_title(column)
+            ax.set_xlabel("iteration")
+            ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(plot, dpi=110)
+        typer.echo(f"curves saved to {plot}")
 
 
 @app.command("pretrain-tiny-digits")

@@ -9,6 +9,8 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="solrl-prefect-"))
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ["DO_NOT_TRACK"] = "1"
+# Quiet Prefect: its temporary server logs "Stopping" at exit, after pytest closed the streams.
+os.environ["PREFECT_LOGGING_LEVEL"] = "WARNING"
 os.environ.pop("MLFLOW_TRACKING_URI", None)
 os.environ.pop("PREFECT_API_URL", None)
 

@@ -58,7 +58,7 @@ def test_two_iteration_campaign_commits_every_stage_logs_mlflow_and_reruns_as_sk
 
 def test_sigkill_mid_iteration_then_resume_completes_and_skips_committed_stages(tmp_path: Path):
     store = tmp_path / "store"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PREFECT_LOGGING_LEVEL": "INFO"}
     solrl = [sys.executable, "-m", "solrl.cli"]
     overrides = [a for o in [*TINY, f"storage.root={store}"] for a in ("--set", o)]
     proc = subprocess.Popen([*solrl, "run", *overrides, "--run-id", "killme"], env=env,
