@@ -13,7 +13,7 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from solrl.stages.context import StageContext
-from solrl.stages.pipeline import ITERATION, run_stage
+from solrl.stages.pipeline import ITERATION, run_stage, stage_due
 from solrl.storage.runs import open_run, run_lock
 from solrl.storage.tracking import Tracker
 
@@ -33,6 +33,8 @@ def stage_task(store: str, run_id: str, iteration: int, stage: str) -> dict:
                     manifest.inputs_hash[:12])
     else:
         logger.info("iteration %d %s: committed in %.2f s", iteration, stage, manifest.seconds)
+        for warning in manifest.info.get("warnings", []):
+            logger.warning("iteration %d %s: %s", iteration, stage, warning)
     return {"manifest": manifest.model_dump(mode="json"), "skipped": skipped}
 
 
@@ -61,7 +63,7 @@ def sol_rl_iteration(store: str, run_id: str, iteration: int) -> dict[str, float
     retries = run.config.campaign.stage_retries
     metrics: dict[str, float] = {}
     for stage in ITERATION:
-        if stage.name == "evaluate" and iteration % run.config.campaign.eval_every:
+        if not stage_due(run.config, stage.name, iteration):
             continue
         result = _run_and_track(store, run_id, iteration, stage.name, tracker, retries)
         metrics.update(result["manifest"]["metrics"])

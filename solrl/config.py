@@ -20,8 +20,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 #: Explore precisions this release can run (DESIGN section 2). ``bf16`` computes
 #: in bfloat16 autocast on CUDA and float32 on CPU (CPU bf16 matmuls are slow
-#: and not what a GPU user runs).
-ExplorePrecision = Literal["bf16", "nvfp4_emulated"]
+#: and not what a GPU user runs); ``*_emulated`` fake-quantize W4A4 (NVFP4) or
+#: W8A8 (per-tensor FP8 E4M3) anywhere, for fidelity and ablations, not speed;
+#: ``nvfp4`` (Blackwell) and ``fp8`` (Ada/Hopper/Blackwell) run Transformer
+#: Engine and are checked against the machine at load (``solrl.hardware``).
+ExplorePrecision = Literal["bf16", "nvfp4_emulated", "fp8_emulated", "nvfp4", "fp8"]
 SelectStrategy = Literal["best_worst", "top_k", "random"]
 #: Rewards solrl implements (``solrl.stages.rewards.build_reward`` builds each).
 RewardName = Literal["digit_alignment", "digit_evaluator", "jpeg_compressibility"]
@@ -106,6 +109,19 @@ class RewardConfig(_Section):
     )
 
 
+class FidelityConfig(_Section):
+    """Proxy-fidelity monitor: does the explore copy rank like the BF16 policy? (DESIGN 2)"""
+
+    audit_every: int = Field(5, ge=0, description="Every N iterations regenerate whole pools in BF16 (0 = never).")
+    audit_prompts: int = Field(2, ge=1, description="Pools (prompts) regenerated in full by an audit.")
+    min_spearman: float | None = Field(
+        None, ge=-1, le=1, description="Bound on the kept-seed Spearman rho; below it, warn or fall back."
+    )
+    on_low: Literal["warn", "bf16"] = Field(
+        "warn", description="Below min_spearman: warn only, or also explore in bf16 the next iteration."
+    )
+
+
 class StorageConfig(_Section):
     root: str = Field("runs", description="Run store: <root>/<run_id>/ holds every stage output.")
 
@@ -140,6 +156,7 @@ class RunConfig(_Section):
     regenerate: RegenerateConfig = RegenerateConfig()
     train: TrainConfig = TrainConfig()
     reward: RewardConfig = RewardConfig()
+    fidelity: FidelityConfig = FidelityConfig()
     storage: StorageConfig = StorageConfig()
     tracking: TrackingConfig = TrackingConfig()
     campaign: CampaignConfig = CampaignConfig()
@@ -151,6 +168,9 @@ class RunConfig(_Section):
             raise ValueError(f"select.k={k} must be even for best_worst (k/2 best + k/2 worst); set select.k={k + 1}")
         if k > pool:
             raise ValueError(f"select.k={k} exceeds explore.pool_size={pool}; set select.k <= {pool} or raise pool_size")
+        from solrl.hardware import check_precision
+
+        check_precision(self.explore.precision)
         if not self.reward.weights:
             raise ValueError("reward.weights is empty; give at least one reward, e.g. {digit_alignment: 1.0}")
         return self

@@ -19,6 +19,10 @@ from solrl.storage.checkpoints import load_checkpoint
 from solrl.storage.stage import require
 
 
+#: The loaded policy of this process, keyed by (model config, run seed, device).
+_POLICIES: dict[tuple[str, int, str], Policy] = {}
+
+
 @dataclass(frozen=True)
 class StageContext:
     """A stage's view of the run. ``iteration`` counts from 1; iteration i trains policy version i - 1."""
@@ -59,14 +63,24 @@ class StageContext:
                     ) -> tuple[Policy, dict[str, dict[str, torch.Tensor]], dict]:
         """The model with policy/rollout/EMA adapters as of ``checkpoint`` (default: the previous iteration's).
 
+        The model is loaded once per process and kept (for a SANA-size model, loading dominates a stage);
+        every call sets all three adapters from the checkpoint (or the fresh LoRA init), so no state leaks
+        from one stage to the next, and the quantized explore copy is then synced in place.
+
         Returns:
             (policy, checkpoint sections, checkpoint state); empty sections and state for the base model.
         """
-        model = load_model(self.cfg.model, self.device)
-        policy = Policy(model, self.cfg.model.lora_rank, self.cfg.model.lora_alpha,
-                        seed=derive_seed(self.cfg.campaign.seed, "lora-init"))
+        key = (self.cfg.model.model_dump_json(), self.cfg.campaign.seed, str(self.device))
+        policy = _POLICIES.get(key)
+        if policy is None:
+            _POLICIES.clear()  # one model in memory at a time
+            model = load_model(self.cfg.model, self.device)
+            policy = _POLICIES[key] = Policy(model, self.cfg.model.lora_rank, self.cfg.model.lora_alpha,
+                                             seed=derive_seed(self.cfg.campaign.seed, "lora-init"))
         checkpoint = checkpoint if checkpoint is not None else (self.checkpoint_dir() if resume else None)
         if checkpoint is None:
+            for name in ADAPTERS:
+                policy.load_state_dict(name, policy.initial_state)
             return policy, {}, {}
         sections, state = load_checkpoint(checkpoint)
         for name in ADAPTERS:

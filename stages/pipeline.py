@@ -12,7 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from solrl.stages.audit import audit
 from solrl.stages.checkpoint import checkpoint
+from solrl.config import RunConfig
 from solrl.stages.context import StageContext
 from solrl.stages.evaluate import evaluate
 from solrl.stages.explore import explore
@@ -37,11 +39,22 @@ ITERATION: tuple[Stage, ...] = (
     Stage("select", select, ("explore", "score_explore"), False),
     Stage("regenerate", regenerate, ("select",), True),
     Stage("score_regenerate", score_regenerate, ("regenerate", "select"), False),
+    Stage("audit", audit, ("explore", "score_explore"), True),
     Stage("update", update, ("regenerate", "score_regenerate"), True),
     Stage("checkpoint", checkpoint, ("update",), False),
     Stage("evaluate", evaluate, ("checkpoint",), False),
 )
 STAGES = {stage.name: stage for stage in ITERATION}
+
+
+def stage_due(cfg: RunConfig, name: str, iteration: int) -> bool:
+    """Whether stage ``name`` runs at ``iteration``: the audit every ``fidelity.audit_every`` iterations,
+    evaluation every ``campaign.eval_every`` (and always at 0, the starting policy), the rest always."""
+    if name == "audit":
+        return cfg.fidelity.audit_every > 0 and iteration % cfg.fidelity.audit_every == 0
+    if name == "evaluate":
+        return iteration % cfg.campaign.eval_every == 0
+    return True
 
 
 def stage_key(ctx: StageContext, stage: Stage) -> str:

@@ -54,6 +54,10 @@ class Policy:
         for name in ("rollout", "ema"):
             self.copy_adapter_(name, "policy")
         self._activate("policy")
+        self.initial_state = self.state_dict("policy")  # the fresh LoRA init, to reset to the base policy
+        #: Quantized explore copies by (precision, min_dim), kept in sync in place (``rollout.explore_copy``).
+        self.explore_copies: dict[tuple[str, int], nn.Module] = {}
+        self.explore_sync_seconds = 0.0
 
     # -- adapter bookkeeping ---------------------------------------------------
     def adapter_params(self, name: str) -> dict[str, nn.Parameter]:
@@ -117,6 +121,25 @@ class Policy:
         """Velocity of ``which`` at ``x [B, C, h, w]``, ``sigma [B]``; no grad unless ``which == 'policy'``."""
         with self.using(which) as net, torch.set_grad_enabled(which == "policy" and torch.is_grad_enabled()):
             return self.model.velocity(net, x, sigma, emb, mask)
+
+    @torch.no_grad()
+    def merged_weights(self, which: Which = "rollout") -> dict[str, torch.Tensor]:
+        """``base + delta(which)`` for every LoRA-wrapped layer, keyed by module name (peft ``get_delta_weight``)."""
+        out = {}
+        for name, module in self.transformer.named_modules():
+            if isinstance(module, BaseTunerLayer):
+                weight = module.get_base_layer().weight
+                out[name] = weight + module.get_delta_weight(which).to(weight.dtype) if which != "reference" else weight
+        return out
+
+    @torch.no_grad()
+    def sync_merged_copy_(self, net: nn.Module, which: Which = "rollout") -> int:
+        """Write the current merged weights of ``which`` into ``net`` (a ``merged_copy``, possibly quantized) in
+        place; quantized layers must then be re-quantized (``requantize_model_``). Returns the layers written."""
+        merged = self.merged_weights(which)
+        for name, weight in merged.items():
+            net.get_submodule(name).weight.copy_(weight)
+        return len(merged)
 
     def merged_copy(self, which: Which = "rollout") -> nn.Module:
         """A plain transformer with adapter ``which`` merged into the base weights and LoRA removed.

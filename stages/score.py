@@ -8,13 +8,14 @@ import numpy as np
 import pandas as pd
 
 from solrl.stages.context import StageContext
-from solrl.stages.fidelity import rank_agreement
+from solrl.stages.fidelity import group_agreement, rank_agreement
 from solrl.stages.rewards import build_reward, score_all
 from solrl.storage.arrays import read_arrays
 from solrl.storage.stage import StageOutput, require
 from solrl.storage.tables import read_table, write_table
 
 REWARDS = "rewards.parquet"
+FIDELITY = "fidelity.parquet"
 
 
 def score_images(ctx: StageContext, images: np.ndarray, prompts: list[str], names: dict[str, float]
@@ -43,10 +44,20 @@ def rewards_table(pool: dict[str, np.ndarray], prompts: list[str], values: dict[
     return pd.concat(frames, ignore_index=True)
 
 
-def total_rewards(table: pd.DataFrame, shape: tuple[int, int]) -> np.ndarray:
-    """Weighted reward per candidate, float32 ``[P, N]`` in (group, candidate order) from a rewards table."""
-    totals = table.groupby(["group", "candidate_index"], sort=True)["weighted"].sum()
-    return totals.to_numpy(np.float32).reshape(shape)
+def total_rewards(table: pd.DataFrame, candidate_index: np.ndarray) -> np.ndarray:
+    """Weighted reward (sum over rewards) of each candidate of a pool, from a rewards table.
+
+    Args:
+        table: a ``rewards.parquet`` table (one row per candidate and reward).
+        candidate_index: int ``[P, N]``, the pool's candidate indices in the order wanted.
+
+    Returns:
+        float32 ``[P, N]``; ``[p, j]`` is the total of group ``p``'s candidate ``candidate_index[p, j]``.
+    """
+    totals = table.groupby(["group", "candidate_index"])["weighted"].sum()
+    P, N = candidate_index.shape
+    keys = pd.MultiIndex.from_arrays([np.repeat(np.arange(P), N), candidate_index.reshape(-1)])
+    return totals.reindex(keys).to_numpy(np.float32).reshape(P, N)
 
 
 def _summary(prefix: str, total: np.ndarray) -> dict[str, float]:
@@ -64,7 +75,7 @@ def score_explore(ctx: StageContext, out: Path) -> StageOutput:
                           ctx.cfg.reward.weights)
     table = rewards_table(pool, attrs["prompts"], values, ctx.cfg.reward.weights, attrs["precision"])
     write_table(out / REWARDS, table)
-    return StageOutput(metrics=_summary("explore", total_rewards(table, (P, N))))
+    return StageOutput(metrics=_summary("explore", total_rewards(table, np.broadcast_to(np.arange(N), (P, N)))))
 
 
 def score_regenerate(ctx: StageContext, out: Path) -> StageOutput:
@@ -82,12 +93,19 @@ def score_regenerate(ctx: StageContext, out: Path) -> StageOutput:
     select_dir, _ = require(ctx.run_dir, ctx.iteration, "select")
     selection = read_table(select_dir / "selection.parquet").sort_values(["group", "slot"])
     explore_kept = selection["explore_reward"].to_numpy(np.float32).reshape(P, k)
-    bf16 = np.zeros((P, k), np.float32)
-    totals = table.groupby(["group", "candidate_index"])["weighted"].sum()
-    for p in range(P):
-        for j in range(k):
-            bf16[p, j] = totals[(p, int(pool["candidate_index"][p, j]))]
+    bf16 = total_rewards(table, pool["candidate_index"])
+    per_group = pd.DataFrame(group_agreement(explore_kept, bf16))
+    per_group.insert(0, "prompt", attrs["prompts"])
+    per_group.insert(0, "group", np.arange(P))
+    write_table(out / FIDELITY, per_group)
     fidelity = rank_agreement(explore_kept, bf16)
     metrics = _summary("regenerate", bf16) | {f"fidelity/{k_}": v for k_, v in fidelity.items()}
     metrics["fidelity/explore_minus_bf16"] = float((explore_kept - bf16).mean())
-    return StageOutput(metrics=metrics)
+    warnings = []
+    bound = ctx.cfg.fidelity.min_spearman
+    if bound is not None and not fidelity["spearman"] >= bound:
+        action = ("the next iteration explores in bf16" if ctx.cfg.fidelity.on_low == "bf16"
+                  else "explore stays as configured (fidelity.on_low=warn)")
+        warnings.append(f"proxy fidelity Spearman {fidelity['spearman']:.3f} is below fidelity.min_spearman="
+                        f"{bound}; {action}")
+    return StageOutput(metrics=metrics, info={"warnings": warnings})

@@ -27,7 +27,7 @@ def select(ctx: StageContext, out: Path) -> StageOutput:
     score_dir, _ = require(ctx.run_dir, ctx.iteration, "score_explore")
     pool, attrs = read_arrays(explore_dir / "candidates.zarr")
     P, N = pool["seeds"].shape
-    rewards = total_rewards(read_table(score_dir / REWARDS), (P, N))
+    rewards = total_rewards(read_table(score_dir / REWARDS), np.broadcast_to(np.arange(N), (P, N)))
     index, kept_as = select_seeds(rewards, cfg.k, cfg.strategy, seed=ctx.seed("select"))  # [P, k]
     ranks = pool_ranks(rewards)
     rows = np.arange(P)[:, None]

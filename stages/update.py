@@ -14,7 +14,7 @@ from solrl.stages.losses.nft import nft_loss
 from solrl.stages.policy import ADAPTERS
 from solrl.stages.regenerate import SAMPLES
 from solrl.stages.sampling import batched
-from solrl.stages.score import REWARDS
+from solrl.stages.score import REWARDS, total_rewards
 from solrl.storage.arrays import read_arrays
 from solrl.storage.checkpoints import optimizer_from_tensors, optimizer_to_tensors, save_checkpoint
 from solrl.storage.stage import StageOutput, require
@@ -31,10 +31,7 @@ def regenerated_rewards(ctx: StageContext) -> tuple[dict[str, np.ndarray], list[
     regen_dir, _ = require(ctx.run_dir, ctx.iteration, "regenerate")
     score_dir, _ = require(ctx.run_dir, ctx.iteration, "score_regenerate")
     pool, attrs = read_arrays(regen_dir / SAMPLES)
-    totals = read_table(score_dir / REWARDS).groupby(["group", "candidate_index"])["weighted"].sum()
-    P, k = pool["seeds"].shape
-    rewards = np.array([[totals[(p, int(pool["candidate_index"][p, j]))] for j in range(k)] for p in range(P)],
-                       dtype=np.float32)
+    rewards = total_rewards(read_table(score_dir / REWARDS), pool["candidate_index"])
     return pool, attrs["prompts"], rewards
 
 

@@ -18,6 +18,7 @@ runner = CliRunner()
     (["run", "--set", "select.k=64"], "exceeds explore.pool_size=32"),
     (["run", "--set", "explore.pool_sise=8"], "explore.pool_sise: unknown key"),
     (["run", "--set", "explore.precision=int3"], "explore.precision: Input should be"),
+    (["run", "--set", "explore.precision=nvfp4"], "explore.precision=nvfp4 cannot run here"),
     (["run", "--set", "campaign.prompts_file=/nope.txt"], "cannot read prompt file '/nope.txt'"),
     (["run", "--run-id", "../escape"], "run id '../escape' must be"),
 ])

@@ -33,7 +33,7 @@ def test_config_is_frozen_and_hash_changes_with_values():
 @pytest.mark.parametrize(("overrides", "match"), [
     (["select.k=7"], r"select.k=7 must be even.*set select.k=8"),
     (["select.k=40"], r"select.k=40 exceeds explore.pool_size=32"),
-    (["explore.precision=fp3"], r"explore.precision: Input should be 'bf16' or 'nvfp4_emulated'.*'fp3'"),
+    (["explore.precision=fp3"], r"explore.precision: Input should be 'bf16', 'nvfp4_emulated', 'fp8_emulated', 'nvfp4' or 'fp8'.*'fp3'"),
     (["explore.pool_sise=8"], r"explore.pool_sise: unknown key"),
     (["bogus.key=1"], r"bogus: unknown key"),
     (["explore.steps=0"], r"explore.steps: Input should be greater than or equal to 1"),
@@ -96,3 +96,11 @@ def test_config_round_trips_through_json():
     cfg = load_config()
     again = RunConfig.model_validate(cfg.model_dump(mode="json"))
     assert again.digest() == cfg.digest()
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks a machine without CUDA")
+@pytest.mark.parametrize("precision", ["nvfp4", "fp8"])
+def test_hardware_precision_without_the_hardware_fails_at_load_naming_what_runs(precision):
+    with pytest.raises(ConfigError, match=rf"explore.precision={precision} cannot run here: this machine has no "
+                                          r"CUDA device; this machine runs: bf16, nvfp4_emulated, fp8_emulated$"):
+        load_config(None, [f"explore.precision={precision}"])

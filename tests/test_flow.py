@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import TINY, tiny_config
-from solrl.stages.pipeline import ITERATION
+from solrl.stages.pipeline import ITERATION, stage_due
 from solrl.storage.runs import create_run, list_runs
 from solrl.storage.stage import read_manifest, stage_dir
 
@@ -21,10 +21,12 @@ pytestmark = pytest.mark.slow
 
 
 def _committed(run_dir: Path, iterations: int) -> dict[tuple[int, str], str]:
+    cfg = tiny_config(run_dir.parent)
     found = {(0, "evaluate"): read_manifest(run_dir, 0, "evaluate")}
     for i in range(1, iterations + 1):
         for stage in ITERATION:
-            found[(i, stage.name)] = read_manifest(run_dir, i, stage.name)
+            if stage_due(cfg, stage.name, i):
+                found[(i, stage.name)] = read_manifest(run_dir, i, stage.name)
     assert all(found.values()), [k for k, v in found.items() if v is None]
     return {k: v.created for k, v in found.items()}
 
@@ -45,7 +47,7 @@ def test_two_iteration_campaign_commits_every_stage_logs_mlflow_and_reruns_as_sk
     history = client.get_metric_history(mlflow_run.info.run_id, "eval/digit_alignment")
     assert sorted(m.step for m in history) == [0, 1, 2]
     for key in ("explore/reward_mean", "regenerate/reward_std", "fidelity/spearman", "train/loss",
-                "seconds/explore", "eval/diversity"):
+                "seconds/explore", "eval/diversity", "audit/best_true_rank"):
         assert [m.step for m in client.get_metric_history(mlflow_run.info.run_id, key)], key
     artifacts = {a.path for a in client.list_artifacts(mlflow_run.info.run_id)}
     assert {"best_worst", "eval_samples"} <= artifacts
@@ -53,6 +55,7 @@ def test_two_iteration_campaign_commits_every_stage_logs_mlflow_and_reruns_as_sk
 
     campaign(str(run.run_dir.parent), run.run_id)  # everything committed: a re-run changes nothing
     assert _committed(run.run_dir, 2) == created
+    assert (1, "audit") not in created and (2, "audit") in created  # fidelity.audit_every=2
     assert list_runs(run.run_dir.parent)[0]["iterations_done"] == 2
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from solrl.stages.fidelity import rank_agreement
+from solrl.stages.fidelity import pool_agreement, rank_agreement
 from solrl.stages.losses.advantages import ADV_EPS, group_advantages
 from solrl.stages.losses.nft import nft_loss
 from solrl.stages.sampling import derive_seed, initial_noise, sample_ode
@@ -136,3 +136,17 @@ def test_rank_agreement_perfect_and_reversed():
     assert rank_agreement(e, e * 2) == {"spearman": 1.0, "kendall": 1.0, "top_half_match": 1.0}
     reversed_ = rank_agreement(e, -e)
     assert reversed_["spearman"] == pytest.approx(-1.0) and reversed_["top_half_match"] == 0.0
+
+
+def test_pool_agreement_references_match_the_paper_for_12_of_96():
+    rng = np.random.default_rng(0)
+    bf16 = rng.normal(size=(3, 96))
+    perfect = pool_agreement(bf16 * 3 + 1, bf16, k=24)
+    assert perfect["best_true_rank"] == perfect["best_perfect"] == 6.5
+    assert perfect["worst_true_rank"] == perfect["worst_perfect"] == 90.5
+    assert perfect["random_rank"] == 48.5
+    assert perfect["top12_match"] == 1.0 and perfect["bottom12_false_inclusion"] == 0.0
+    assert perfect["spearman"] == pytest.approx(1.0)
+    noise = pool_agreement(rng.normal(size=(200, 96)), rng.normal(size=(200, 96)), k=24)
+    assert noise["best_true_rank"] == pytest.approx(48.5, abs=2.0) and abs(noise["spearman"]) < 0.05
+    assert noise["top12_match"] == pytest.approx(12 / 96, abs=0.03)

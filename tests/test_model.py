@@ -91,7 +91,7 @@ def test_nvfp4_explore_copy_quantizes_attention_and_ff_but_not_embedders(policy:
         wrapped = {n for n, m in net.named_modules() if isinstance(m, FakeQuantLinear)}
     assert "transformer_blocks.0.attn1.to_q" in wrapped and "transformer_blocks.2.ff.conv_point" in wrapped
     assert not any(k in n for n in wrapped for k in ("patch_embed", "time_embed", "caption_projection", "proj_out"))
-    with pytest.raises(ValueError, match="unknown explore precision 'fp3'"):
+    with pytest.raises(ValueError, match="unknown explore precision 'fp3'; this machine runs: bf16, nvfp4_emulated"):
         with rollout_network(policy, "fp3"):
             pass
 
@@ -136,3 +136,38 @@ def test_a_nan_reward_is_an_error_naming_the_prompt():
 
     with pytest.raises(RewardError, match="returned nan for prompt 'b'"):
         checked(Broken(), np.zeros((2, 16, 16, 3), np.uint8), ["a", "b"])
+
+
+def test_fp8_explore_copy_is_closer_to_full_precision_than_nvfp4(policy: Policy):
+    prompts, seeds = ["a handwritten digit eight"] * 4, [1, 2, 3, 4]
+    with rollout_network(policy, "bf16") as net:
+        full = generate(policy.model, net, prompts, seeds, 4, 8)
+    errors = {}
+    for precision in ("fp8_emulated", "nvfp4_emulated"):
+        with rollout_network(policy, precision) as net:
+            errors[precision] = (generate(policy.model, net, prompts, seeds, 4, 8) - full).abs().mean().item()
+    assert 0 < errors["fp8_emulated"] < errors["nvfp4_emulated"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_hardware_explore_backends_refuse_a_machine_without_the_hardware(policy: Policy):
+    with pytest.raises(ValueError, match="explore.precision=nvfp4 cannot run here: this machine has no CUDA"):
+        with rollout_network(policy, "nvfp4"):
+            pass
+
+
+def test_explore_copy_syncs_in_place_and_equals_a_fresh_build(policy: Policy):
+    from solrl.stages.rollout import explore_copy
+
+    x, s, emb, mask = _inputs(policy)
+    first = explore_copy(policy, "nvfp4_emulated")
+    with torch.no_grad():
+        for p in policy.adapter_params("rollout").values():
+            p.add_(0.05 * torch.randn_like(p))
+    synced = explore_copy(policy, "nvfp4_emulated")
+    assert synced is first  # no rebuild
+    policy.explore_copies.clear()
+    fresh = explore_copy(policy, "nvfp4_emulated")
+    assert fresh is not first
+    torch.testing.assert_close(policy.model.velocity(synced, x, s, emb, mask),
+                               policy.model.velocity(fresh, x, s, emb, mask), rtol=0, atol=0)

@@ -56,6 +56,7 @@ __all__ = [
     "nvfp4_fake_quantize",
     "fp8_e4m3_fake_quantize",
     "FakeQuantLinear",
+    "eligible_layers",
     "quantize_model_",
     "requantize_model_",
 ]
@@ -418,31 +419,16 @@ def _eligible_dims(module: nn.Module) -> tuple[int, int] | None:
     return None
 
 
-def quantize_model_(
-    model: nn.Module,
-    *,
-    fmt: str = "nvfp4",
-    skip: Sequence[str] = (),
-    min_dim: int = 0,
-) -> list[str]:
-    """Replace eligible layers of ``model`` with :class:`FakeQuantLinear`, in place.
+def eligible_layers(
+    model: nn.Module, *, fmt: str = "nvfp4", skip: Sequence[str] = (), min_dim: int = 0
+) -> list[tuple[str, nn.Module]]:
+    """The layers a low-precision explore copy quantizes, in ``named_modules`` order (Sol-RL's rule).
 
     Eligible: every ``nn.Linear`` and every 1x1 ``nn.Conv2d`` with ``groups == 1``
     and zero padding. Other convs (depthwise, 3x3, patch embedders) are never
-    touched. A module is skipped when its qualified name contains any of the
-    ``skip`` substrings, when ``max(in, out) <= min_dim``, or (``"nvfp4"`` only)
-    when ``in % 16 != 0``. Existing :class:`FakeQuantLinear` modules are left
-    as they are and not reported.
-
-    Args:
-        model: the module to modify (in place).
-        fmt: ``"nvfp4"`` (W4A4) or ``"fp8"`` (W8A8).
-        skip: name substrings to leave in high precision (embedders, norms,
-            final layer: the per-model lists live with the model adapters).
-        min_dim: skip layers whose ``max(in, out) <= min_dim``.
-
-    Returns:
-        The sorted qualified names of the modules that were quantized.
+    touched, nor are :class:`FakeQuantLinear` modules already in place. A module
+    is skipped when its qualified name contains any of the ``skip`` substrings,
+    when ``max(in, out) <= min_dim``, or (``"nvfp4"`` only) when ``in % 16 != 0``.
 
     Raises:
         ValueError: unknown ``fmt`` (the message lists the valid ones).
@@ -463,6 +449,32 @@ def quantize_model_(
         if fmt == "nvfp4" and in_f % NVFP4_BLOCK != 0:
             continue
         targets.append((name, module))
+    return targets
+
+
+def quantize_model_(
+    model: nn.Module,
+    *,
+    fmt: str = "nvfp4",
+    skip: Sequence[str] = (),
+    min_dim: int = 0,
+) -> list[str]:
+    """Replace the :func:`eligible_layers` of ``model`` with :class:`FakeQuantLinear`, in place.
+
+    Args:
+        model: the module to modify (in place).
+        fmt: ``"nvfp4"`` (W4A4) or ``"fp8"`` (W8A8).
+        skip: name substrings to leave in high precision (embedders, norms,
+            final layer: the per-model lists live with the model adapters).
+        min_dim: skip layers whose ``max(in, out) <= min_dim``.
+
+    Returns:
+        The sorted qualified names of the modules that were quantized.
+
+    Raises:
+        ValueError: unknown ``fmt`` (the message lists the valid ones).
+    """
+    targets = eligible_layers(model, fmt=fmt, skip=skip, min_dim=min_dim)
     for name, module in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

@@ -1,0 +1,60 @@
+"""Which explore precisions this machine can run, and why not (DESIGN 2, backends table).
+
+| precision | needs |
+| --- | --- |
+| ``bf16``, ``nvfp4_emulated``, ``fp8_emulated`` | nothing: run anywhere, CPU included |
+| ``fp8`` | a CUDA GPU of compute capability >= 8.9 (Ada, Hopper, Blackwell) and Transformer Engine |
+| ``nvfp4`` | a CUDA GPU of compute capability >= 10.0 (Blackwell) and Transformer Engine (NVFP4BlockScaling) |
+
+Asking for a backend the machine cannot run is a configuration error that names the backends it can.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+ANYWHERE = ("bf16", "nvfp4_emulated", "fp8_emulated")
+HARDWARE = {"fp8": (8, 9), "nvfp4": (10, 0)}
+
+
+def _transformer_engine_reason(precision: str) -> str | None:
+    try:
+        import transformer_engine.pytorch as te
+    except Exception as exc:  # ImportError, or a broken CUDA install raising anything at import
+        return f"Transformer Engine is not importable ({exc.__class__.__name__}); pip install 'solrl[gpu]'"
+    check = te.is_nvfp4_available if precision == "nvfp4" else te.is_fp8_available
+    available = check()
+    ok, reason = available if isinstance(available, tuple) else (bool(available), "")
+    return None if ok else f"Transformer Engine says: {reason or 'not available'}"
+
+
+@lru_cache(maxsize=None)
+def unavailable_reason(precision: str) -> str | None:
+    """None when ``precision`` runs here, else why not (one sentence)."""
+    if precision in ANYWHERE:
+        return None
+    if precision not in HARDWARE:
+        return f"unknown precision {precision!r}"
+    import torch
+
+    if not torch.cuda.is_available():
+        return "this machine has no CUDA device"
+    need = HARDWARE[precision]
+    have = torch.cuda.get_device_capability()
+    if have < need:
+        name = torch.cuda.get_device_name()
+        return f"{name} has compute capability {have[0]}.{have[1]}, {precision} needs >= {need[0]}.{need[1]}"
+    return _transformer_engine_reason(precision)
+
+
+def runnable_precisions() -> list[str]:
+    """Every explore precision this machine can run."""
+    return [p for p in (*ANYWHERE, *HARDWARE) if unavailable_reason(p) is None]
+
+
+def check_precision(precision: str) -> None:
+    """Raises ValueError naming the runnable backends when ``precision`` cannot run here."""
+    reason = unavailable_reason(precision)
+    if reason is not None:
+        raise ValueError(f"explore.precision={precision} cannot run here: {reason}; this machine runs: "
+                         f"{', '.join(runnable_precisions())}")
