@@ -51,7 +51,7 @@ def main() -> None:
     def sample(precision: str, steps: int) -> tuple[np.ndarray, float]:
         start = time.perf_counter()
         with rollout_network(policy, precision) as net:
-            latents = generate(policy.model, net, flat, seeds, steps, 256, desc=f"{precision} {steps}")
+            latents = generate(policy.model, net, flat, seeds, steps, 256, desc=f"{precision} {steps}").samples
         seconds = time.perf_counter() - start
         return reward(policy.model.decode(latents), flat).reshape(len(prompts), args.pool), seconds
 

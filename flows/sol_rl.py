@@ -15,6 +15,7 @@ from prefect.cache_policies import NO_CACHE
 from solrl.stages.context import StageContext
 from solrl.stages.pipeline import ITERATION, run_stage, stage_due
 from solrl.storage.runs import open_run, run_lock
+from solrl.storage.stage import stage_dir
 from solrl.storage.tracking import Tracker
 
 #: Images logged to MLflow per iteration, by stage: (file in the stage folder, artifact folder).
@@ -44,9 +45,8 @@ def _run_and_track(store: str, run_id: str, iteration: int, stage: str, tracker:
     if not result["skipped"]:
         tracker.log_metrics({**manifest["metrics"], f"seconds/{stage}": manifest["seconds"]}, step=iteration)
         if stage in _IMAGES:
-            run = open_run(store, run_id)
             name, folder = _IMAGES[stage]
-            image = run.run_dir / f"iter_{iteration:06d}" / stage / name
+            image = stage_dir(open_run(store, run_id).run_dir, iteration, stage) / name
             if image.exists():
                 tracker.log_artifact(image, f"{folder}/iter_{iteration:06d}")
     return result

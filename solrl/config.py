@@ -73,14 +73,23 @@ class SelectConfig(_Section):
 class RegenerateConfig(_Section):
     """Step 4: regenerate the kept seeds with the full-precision rollout policy."""
 
-    steps: int = Field(10, ge=1, description="Euler ODE steps (also the training timestep grid).")
+    steps: int = Field(10, ge=1, description="Sampling steps (also the training timestep grid).")
     batch_size: int = Field(256, ge=1, description="Samples per forward pass.")
+    noise_level: float = Field(
+        0.7, ge=0, description="Flow-GRPO SDE noise level a (used with train.loss=flow_grpo; 0 = ODE only)."
+    )
+    sde_window: tuple[int, int] | None = Field(
+        None, description="flow_grpo 'fast': SDE on steps [start, end), ODE elsewhere, train the window only."
+    )
 
 
 class TrainConfig(_Section):
     """Step 6: the policy update (DiffusionNFT loss, DESIGN 1)."""
 
-    loss: Literal["nft"] = Field("nft", description="Policy loss. flow_grpo comes with issue 4.")
+    loss: Literal["nft", "flow_grpo"] = Field(
+        "nft", description="nft: DiffusionNFT on ODE rollouts (Sol-RL); flow_grpo: PPO-clipped SDE log-probs."
+    )
+    clip_range: float = Field(1e-4, gt=0, description="flow_grpo: PPO ratio clip epsilon.")
     lr: float = Field(1e-3, gt=0, description="AdamW learning rate.")
     weight_decay: float = Field(1e-4, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
@@ -168,6 +177,14 @@ class RunConfig(_Section):
             raise ValueError(f"select.k={k} must be even for best_worst (k/2 best + k/2 worst); set select.k={k + 1}")
         if k > pool:
             raise ValueError(f"select.k={k} exceeds explore.pool_size={pool}; set select.k <= {pool} or raise pool_size")
+        if self.train.loss == "flow_grpo":
+            if self.regenerate.noise_level <= 0:
+                raise ValueError("train.loss=flow_grpo needs an SDE sampler but regenerate.noise_level=0 samples "
+                                 "with the ODE only; set regenerate.noise_level=0.7 (Flow-GRPO) or use train.loss=nft")
+        window = self.regenerate.sde_window
+        if window is not None and not 0 <= window[0] < window[1] <= self.regenerate.steps - 1:
+            raise ValueError(f"regenerate.sde_window={list(window)} must satisfy 0 <= start < end <= "
+                             f"regenerate.steps - 1 = {self.regenerate.steps - 1} (the last step is ODE)")
         from solrl.hardware import check_precision
 
         check_precision(self.explore.precision)
@@ -185,6 +202,11 @@ class RunConfig(_Section):
         local = Path(self.base_dir) / p
         shipped = preset_dir() / p
         return shipped if not local.exists() and shipped.exists() else local
+
+    def sde_noise_level(self) -> float:
+        """The SDE noise level rollouts sample with: ``regenerate.noise_level`` for flow_grpo, else 0 (the ODE;
+        DiffusionNFT is solver-agnostic and Sol-RL samples with the deterministic ODE)."""
+        return self.regenerate.noise_level if self.train.loss == "flow_grpo" else 0.0
 
     def train_prompts(self) -> list[str]:
         return read_prompts(self.resolve(self.campaign.prompts_file), "campaign.prompts_file")

@@ -40,9 +40,10 @@ def audit(ctx: StageContext, out: Path) -> StageOutput:
     prompts = [attrs["prompts"][p] for p in range(A) for _ in range(N)]
     policy, _, _ = ctx.load_policy()
     with rollout_network(policy, "bf16") as net:
-        latents = generate(policy.model, net, prompts, pool["seeds"][:A].reshape(-1).tolist(),
-                           ctx.cfg.regenerate.steps, ctx.cfg.regenerate.batch_size, desc="audit bf16")
-    values = score_images(ctx, policy.model.decode(latents), prompts, ctx.cfg.reward.weights)
+        samples = generate(policy.model, net, prompts, pool["seeds"][:A].reshape(-1).tolist(),
+                           ctx.cfg.regenerate.steps, ctx.cfg.regenerate.batch_size, desc="audit bf16",
+                           noise_level=ctx.cfg.sde_noise_level(), sde_window=ctx.cfg.regenerate.sde_window).samples
+    values = score_images(ctx, policy.model.decode(samples), prompts, ctx.cfg.reward.weights)
     bf16 = sum(v * ctx.cfg.reward.weights[name] for name, v in values.items()).reshape(A, N)
     write_table(out / POOL, pd.DataFrame({
         "group": np.repeat(np.arange(A), N), "prompt": prompts, "candidate_index": np.tile(np.arange(N), A),

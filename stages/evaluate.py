@@ -51,9 +51,9 @@ def evaluate(ctx: StageContext, out: Path) -> StageOutput:
     policy, _, _ = ctx.load_policy(ctx.checkpoint_dir(iteration=ctx.iteration))
     flat = [p for p in prompts for _ in range(S)]
     with rollout_network(policy, "bf16") as net:
-        latents = generate(policy.model, net, flat, seeds.reshape(-1).tolist(), ctx.cfg.regenerate.steps,
-                           ctx.cfg.regenerate.batch_size, desc="evaluate")
-    images = policy.model.decode(latents)
+        samples = generate(policy.model, net, flat, seeds.reshape(-1).tolist(), ctx.cfg.regenerate.steps,
+                           ctx.cfg.regenerate.batch_size, desc="evaluate").samples  # deterministic ODE
+    images = policy.model.decode(samples)
     grid = images.reshape(len(prompts), S, *images.shape[1:])
     values = score_images(ctx, images, flat, dict.fromkeys(ctx.cfg.reward.evaluate, 1.0))
     write_arrays(out / SAMPLES, {"images": grid, "seeds": seeds, "prompt_index": np.arange(len(prompts))},

@@ -44,9 +44,11 @@ def explore(ctx: StageContext, out: Path) -> StageOutput:
     flat_prompts = [prompts[p] for p in range(P) for _ in range(N)]
     policy.explore_sync_seconds = 0.0
     with rollout_network(policy, precision, cfg.min_dim) as net:
-        latents = generate(policy.model, net, flat_prompts, seeds.reshape(-1).tolist(), cfg.steps,
-                           cfg.batch_size, desc=f"explore {precision}")
-    images = policy.model.decode(latents)  # [P*N, H, W, 3]
+        samples = generate(policy.model, net, flat_prompts, seeds.reshape(-1).tolist(), cfg.steps,
+                           cfg.batch_size, desc=f"explore {precision}", noise_level=ctx.cfg.sde_noise_level(),
+                           sde_window=ctx.cfg.regenerate.sde_window if cfg.steps == ctx.cfg.regenerate.steps
+                           else None).samples
+    images = policy.model.decode(samples)  # [P*N, H, W, 3]
     write_arrays(out / POOL, {"images": images.reshape(P, N, *images.shape[1:]), "seeds": seeds,
                               "prompt_index": prompt_index},
                  attrs={"prompts": prompts, "precision": precision, "steps": cfg.steps,

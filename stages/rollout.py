@@ -16,36 +16,46 @@ from solrl.stages.context import compute_precision
 from solrl.stages.models import ModelAdapter
 from solrl.stages.policy import Policy
 from solrl.stages.quant import quantize_model_, requantize_model_
-from solrl.stages.sampling import batched, initial_noise, sample_ode
+from solrl.stages.sampling import Trajectory, batched, initial_noise, sample_ode, sample_sde, seed_noise
 
 
 @torch.no_grad()
 def generate(model: ModelAdapter, net: nn.Module, prompts: Sequence[str], seeds: Sequence[int], steps: int,
-             batch_size: int, desc: str = "sampling") -> torch.Tensor:
-    """Sample one image per (prompt, seed) pair with the Euler ODE sampler.
+             batch_size: int, desc: str = "sampling", *, noise_level: float = 0.0,
+             sde_window: tuple[int, int] | None = None) -> Trajectory:
+    """Sample one image per (prompt, seed) pair: Euler ODE, or the Flow-GRPO SDE when ``noise_level > 0``.
 
     Args:
         net: the velocity network (a peft transformer with an adapter active, or a quantized copy).
-        prompts, seeds: equal length B; seed i fixes sample i's initial noise.
+        prompts, seeds: equal length B; seed i fixes sample i's initial noise and its SDE step noises.
+        noise_level, sde_window: see ``sample_sde``; 0 = ODE.
 
     Returns:
-        final latents float32 ``[B, C, h, w]`` on the CPU.
+        the trajectories on the CPU (``latents[:, -1]``: the samples, float32 ``[B, C, h, w]``); for the ODE
+        only the first and last latents are kept (``latents [B, 2, C, h, w]``, no log-probs).
     """
     if len(prompts) != len(seeds):
         raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
     sigmas = model.sigmas(steps)
-    out = []
+    parts = []
     chunks = batched(len(prompts), batch_size)
     for chunk in tqdm(chunks, desc=desc, unit="batch", disable=len(chunks) < 4, leave=False):
         emb, mask = model.encode(list(prompts[chunk]))
-        noise = initial_noise(seeds[chunk], model.latent_shape, model.device)
 
         def velocity(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
             with compute_precision(model.device):
                 return model.velocity(net, x, sigma, emb, mask)
 
-        out.append(sample_ode(velocity, noise, sigmas).cpu())
-    return torch.cat(out)
+        if noise_level > 0:
+            noise = seed_noise(seeds[chunk], model.latent_shape, steps + 1, model.device)
+            traj = sample_sde(velocity, noise, sigmas, noise_level, sde_window)
+            parts.append(Trajectory(traj.latents.cpu(), traj.log_probs.cpu(), traj.sde))
+        else:
+            noise = initial_noise(seeds[chunk], model.latent_shape, model.device)
+            final = sample_ode(velocity, noise, sigmas)
+            parts.append(Trajectory(torch.stack([noise, final], 1).cpu(), torch.zeros(len(final), 0),
+                                    torch.zeros(steps, dtype=torch.bool)))
+    return Trajectory(torch.cat([p.latents for p in parts]), torch.cat([p.log_probs for p in parts]), parts[0].sde)
 
 
 #: Emulated explore precisions -> fake-quant format of ``solrl.stages.quant``.

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
+
+from solrl.stages.sde import sde_step
 
 #: Seeds are drawn in [0, 2^63) so they fit int64 columns in Zarr and Parquet.
 _SEED_BITS = 63
@@ -28,16 +31,23 @@ def derive_seed(run_seed: int, *path: int | str) -> int:
     return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") >> (64 - _SEED_BITS)
 
 
-def initial_noise(seeds: Sequence[int], shape: tuple[int, ...], device: torch.device | str = "cpu") -> torch.Tensor:
-    """Standard normal noise ``float32 [len(seeds), *shape]``, row i drawn from a generator seeded ``seeds[i]``.
+def seed_noise(seeds: Sequence[int], shape: tuple[int, ...], draws: int = 1,
+               device: torch.device | str = "cpu") -> torch.Tensor:
+    """Standard normal draws ``float32 [len(seeds), draws, *shape]``; row i comes from one generator seeded
+    ``seeds[i]``: draw 0 is the initial noise, draws 1.. the SDE step noises, in step order.
 
-    Drawn on the CPU, then moved, so a seed gives the same noise on every device.
+    Drawn on the CPU, then moved, so a seed gives the same noise on every device and in every batch.
     """
     rows = []
     for seed in seeds:
         g = torch.Generator(device="cpu").manual_seed(int(seed))
-        rows.append(torch.randn(shape, generator=g, dtype=torch.float32))
+        rows.append(torch.randn((draws, *shape), generator=g, dtype=torch.float32))
     return torch.stack(rows).to(device)
+
+
+def initial_noise(seeds: Sequence[int], shape: tuple[int, ...], device: torch.device | str = "cpu") -> torch.Tensor:
+    """The initial noise ``float32 [len(seeds), *shape]`` of each seed (draw 0 of ``seed_noise``)."""
+    return seed_noise(seeds, shape, 1, device)[:, 0]
 
 
 @torch.no_grad()
@@ -61,6 +71,62 @@ def sample_ode(velocity: VelocityFn, noise: torch.Tensor, sigmas: torch.Tensor) 
         v = velocity(x, sigma).float()
         x = x + (sigmas[i + 1] - sigmas[i]) * v
     return x
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """An SDE (or mixed SDE/ODE) sampling path: what the Flow-GRPO loss needs from a rollout."""
+
+    latents: torch.Tensor  # float32 [B, S + 1, C, h, w]: x at sigmas[0] (noise) ... sigmas[S] (the sample)
+    log_probs: torch.Tensor  # float32 [B, S]: log pi(x_{t+1} | x_t) of SDE steps, 0 on ODE steps
+    sde: torch.Tensor  # bool [S]: which steps were stochastic
+
+    @property
+    def samples(self) -> torch.Tensor:
+        """The final samples ``x_0``, float32 ``[B, C, h, w]``."""
+        return self.latents[:, -1]
+
+
+def sde_mask(steps: int, window: tuple[int, int] | None) -> torch.Tensor:
+    """bool ``[steps]``: True on the SDE steps, all of them without a window, ``[start, end)`` with one
+    (Flow-GRPO-Fast: SDE on a window, ODE elsewhere, train the window only)."""
+    mask = torch.zeros(steps, dtype=torch.bool)
+    start, end = window if window is not None else (0, steps)
+    mask[start:end] = True
+    return mask
+
+
+@torch.no_grad()
+def sample_sde(velocity: VelocityFn, noise: torch.Tensor, sigmas: torch.Tensor, noise_level: float,
+               window: tuple[int, int] | None = None) -> Trajectory:
+    """Sample with the Flow-GRPO SDE step (``solrl.stages.sde``) on the window's steps, Euler ODE elsewhere.
+
+    Args:
+        velocity: ``(x [B, C, h, w], sigma [B]) -> v``.
+        noise: ``seed_noise`` draws ``[B, S + 1, C, h, w]``: the initial noise, then one draw per step (drawn
+            for every step, used on SDE steps, so a path depends on its seed alone).
+        sigmas: ``[S + 1]`` from 1 to 0.
+        noise_level: the SDE's ``a`` (> 0).
+
+    Returns:
+        the trajectory; ``latents[:, -1]`` is the sample.
+    """
+    steps = len(sigmas) - 1
+    mask = sde_mask(steps, window)
+    sigma_max = float(sigmas[1]) if steps > 1 else 0.0
+    x = noise[:, 0]
+    latents, log_probs = [x], []
+    for i in range(steps):
+        sigma, sigma_next = sigmas[i].expand(x.shape[0]), sigmas[i + 1].expand(x.shape[0])
+        v = velocity(x, sigma).float()
+        if mask[i] and float(sigmas[i + 1]) > 0:  # the last step to sigma = 0 is deterministic in the limit
+            x, log_prob = sde_step(x, v, sigma, sigma_next, noise[:, i + 1], noise_level, sigma_max)
+        else:
+            x, log_prob = x + (sigmas[i + 1] - sigmas[i]) * v, torch.zeros(x.shape[0], device=x.device)
+            mask[i] = False
+        latents.append(x)
+        log_probs.append(log_prob)
+    return Trajectory(torch.stack(latents, 1), torch.stack(log_probs, 1), mask)
 
 
 def batched(n: int, batch_size: int) -> list[slice]:

@@ -40,6 +40,11 @@ def test_config_is_frozen_and_hash_changes_with_values():
     (["train.timestep_fraction=1.5"], r"train.timestep_fraction: Input should be less than or equal to 1"),
     (["reward.weights={clipscore: 1.0}"], r"reward.weights.clipscore"),
     (["explore.pool_size"], r"expected section.key=value"),
+    (["train.loss=flow_grpo", "regenerate.noise_level=0"], r"needs an SDE sampler.*set regenerate.noise_level=0.7"),
+    (["train.clip_range=0"], r"train.clip_range: Input should be greater than 0"),
+    (["train.timestep_fraction=0"], r"train.timestep_fraction: Input should be greater than 0"),
+    (["regenerate.sde_window=[3, 2]"], r"regenerate.sde_window=\[3, 2\] must satisfy 0 <= start < end <= "),
+    (["regenerate.sde_window=[0, 10]"], r"end <= regenerate.steps - 1 = 9"),
     (["campaign.prompts_file=/nonexistent/prompts.txt"], r"campaign.prompts_file: cannot read prompt file"),
 ])
 def test_bad_overrides_raise_one_line_config_error(overrides, match):

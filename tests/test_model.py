@@ -99,13 +99,13 @@ def test_nvfp4_explore_copy_quantizes_attention_and_ff_but_not_embedders(policy:
 def test_same_seed_same_image_and_nvfp4_differs_slightly(policy: Policy):
     prompts, seeds = ["a handwritten digit five"] * 3, [11, 12, 11]
     with rollout_network(policy, "bf16") as net:
-        a = generate(policy.model, net, prompts, seeds, 4, 8)
-        b = generate(policy.model, net, prompts, seeds, 4, 8)
+        a = generate(policy.model, net, prompts, seeds, 4, 8).samples
+        b = generate(policy.model, net, prompts, seeds, 4, 8).samples
     torch.testing.assert_close(a, b, rtol=0, atol=0)
     torch.testing.assert_close(a[0], a[2], rtol=0, atol=0)
     assert not torch.equal(a[0], a[1])
     with rollout_network(policy, "nvfp4_emulated") as net:
-        q = generate(policy.model, net, prompts, seeds, 4, 8)
+        q = generate(policy.model, net, prompts, seeds, 4, 8).samples
     assert 0 < (q - a).abs().mean() < 0.5 * a.abs().mean()
 
 
@@ -141,11 +141,11 @@ def test_a_nan_reward_is_an_error_naming_the_prompt():
 def test_fp8_explore_copy_is_closer_to_full_precision_than_nvfp4(policy: Policy):
     prompts, seeds = ["a handwritten digit eight"] * 4, [1, 2, 3, 4]
     with rollout_network(policy, "bf16") as net:
-        full = generate(policy.model, net, prompts, seeds, 4, 8)
+        full = generate(policy.model, net, prompts, seeds, 4, 8).samples
     errors = {}
     for precision in ("fp8_emulated", "nvfp4_emulated"):
         with rollout_network(policy, precision) as net:
-            errors[precision] = (generate(policy.model, net, prompts, seeds, 4, 8) - full).abs().mean().item()
+            errors[precision] = (generate(policy.model, net, prompts, seeds, 4, 8).samples - full).abs().mean().item()
     assert 0 < errors["fp8_emulated"] < errors["nvfp4_emulated"]
 
 

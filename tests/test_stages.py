@@ -162,3 +162,40 @@ def test_total_rewards_sums_rewards_and_follows_the_requested_candidate_order():
                           "weighted": np.array([0.5, 1.0, 0.25, 2.0, 1.0, 1.0], np.float32)})
     out = total_rewards(table, np.array([[7, 3], [5, 5]]))
     np.testing.assert_allclose(out, [[2.25, 1.5], [2.0, 2.0]])
+
+
+def test_flow_grpo_iteration_stores_trajectories_and_starts_exactly_on_policy(tmp_path):
+    from conftest import tiny_config
+
+    cfg = tiny_config(tmp_path, "train.loss=flow_grpo", "regenerate.sde_window=[2, 6]", "train.kl_beta=0.01")
+    run = create_run(cfg, "grpo")
+    ctx = StageContext(cfg, run.run_dir, run.run_id, 1)
+    for stage in ("explore", "score_explore", "select", "regenerate", "score_regenerate", "update"):
+        manifest, _ = run_stage(ctx, stage)
+    regen, attrs = read_arrays(stage_dir(run.run_dir, 1, "regenerate") / "samples.zarr")
+    assert regen["trajectory"].shape == (2, 4, 11, 1, 16, 16) and regen["log_probs"].shape == (2, 4, 10)
+    assert attrs["sde_steps"] == [False, False, True, True, True, True, False, False, False, False]
+    assert (regen["log_probs"][..., 2:6] != 0).all() and (regen["log_probs"][..., :2] == 0).all()
+    np.testing.assert_array_equal(regen["trajectory"][:, :, -1], regen["latents"])
+    metrics = manifest.metrics
+    # The recomputed log-prob of the stored step equals the stored one: the PPO ratio starts at 1.
+    assert metrics["train/on_policy_max_dev"] < 1e-4
+    assert np.isfinite(metrics["train/loss"]) and metrics["train/kl"] >= 0
+    assert 0 <= metrics["train/clip_fraction"] <= 1
+
+
+def test_explore_and_regenerate_share_the_sde_noise_path_of_a_seed(tmp_path):
+    from conftest import tiny_config
+
+    from solrl.stages.rollout import generate, rollout_network
+
+    cfg = tiny_config(tmp_path, "train.loss=flow_grpo")
+    ctx = StageContext(cfg, tmp_path, "x", 1)
+    policy, _, _ = ctx.load_policy(resume=False)
+    with rollout_network(policy, "bf16") as net:
+        alone = generate(policy.model, net, ["the digit one"], [77], 10, 8, noise_level=0.7)
+        batch = generate(policy.model, net, ["the digit two", "the digit one"], [5, 77], 10, 8, noise_level=0.7)
+        ode = generate(policy.model, net, ["the digit one"], [77], 10, 8)
+    torch.testing.assert_close(alone.latents[0], batch.latents[1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(alone.latents[0, 0], ode.latents[0, 0], rtol=0, atol=0)  # same initial noise
+    assert not torch.allclose(alone.samples, ode.samples)
