@@ -73,6 +73,9 @@ class SelectConfig(_Section):
 class RegenerateConfig(_Section):
     """Step 4: regenerate the kept seeds with the full-precision rollout policy."""
 
+    enabled: bool = Field(
+        True, description="false: train on the explore samples themselves (naive FP4, BF16 scaling, DiffusionNFT)."
+    )
     steps: int = Field(10, ge=1, description="Sampling steps (also the training timestep grid).")
     batch_size: int = Field(256, ge=1, description="Samples per forward pass.")
     noise_level: float = Field(
@@ -181,6 +184,10 @@ class RunConfig(_Section):
             if self.regenerate.noise_level <= 0:
                 raise ValueError("train.loss=flow_grpo needs an SDE sampler but regenerate.noise_level=0 samples "
                                  "with the ODE only; set regenerate.noise_level=0.7 (Flow-GRPO) or use train.loss=nft")
+            if not self.regenerate.enabled and self.explore.steps != self.regenerate.steps:
+                raise ValueError(f"train.loss=flow_grpo with regenerate.enabled=false trains on the explore "
+                                 f"trajectories, so explore.steps={self.explore.steps} must equal "
+                                 f"regenerate.steps={self.regenerate.steps}")
         window = self.regenerate.sde_window
         if window is not None and not 0 <= window[0] < window[1] <= self.regenerate.steps - 1:
             raise ValueError(f"regenerate.sde_window={list(window)} must satisfy 0 <= start < end <= "

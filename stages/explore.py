@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from solrl.stages.context import StageContext
-from solrl.stages.rollout import generate, rollout_network
+from solrl.stages.rollout import generate, rollout_network, trajectory_arrays
 from solrl.storage.arrays import write_arrays
 from solrl.storage.stage import StageOutput, read_manifest
 
@@ -32,8 +32,10 @@ def explore(ctx: StageContext, out: Path) -> StageOutput:
     """Draw ``pool_size`` seeds per prompt and sample each with the explore copy (``explore.precision``).
 
     Writes ``candidates.zarr``: images uint8 ``[P, N, H, W, 3]``, seeds int64 ``[P, N]``, prompt_index int64
-    ``[P]``; attrs: prompts, precision, steps, policy_version. Seeds derive from (run seed, iteration,
-    prompt position, candidate index).
+    ``[P]``; attrs: prompts, precision, steps, policy_version, sde_steps. With ``regenerate.enabled=false`` (the
+    baselines that train on the explore samples) also the final latents float32 ``[P, N, C, h, w]`` and, for
+    flow_grpo, the trajectories and log-probs. Seeds derive from (run seed, iteration, prompt position,
+    candidate index).
     """
     cfg = ctx.cfg.explore
     precision, warnings = explore_precision(ctx)
@@ -44,15 +46,15 @@ def explore(ctx: StageContext, out: Path) -> StageOutput:
     flat_prompts = [prompts[p] for p in range(P) for _ in range(N)]
     policy.explore_sync_seconds = 0.0
     with rollout_network(policy, precision, cfg.min_dim) as net:
-        samples = generate(policy.model, net, flat_prompts, seeds.reshape(-1).tolist(), cfg.steps,
-                           cfg.batch_size, desc=f"explore {precision}", noise_level=ctx.cfg.sde_noise_level(),
-                           sde_window=ctx.cfg.regenerate.sde_window if cfg.steps == ctx.cfg.regenerate.steps
-                           else None).samples
-    images = policy.model.decode(samples)  # [P*N, H, W, 3]
-    write_arrays(out / POOL, {"images": images.reshape(P, N, *images.shape[1:]), "seeds": seeds,
-                              "prompt_index": prompt_index},
-                 attrs={"prompts": prompts, "precision": precision, "steps": cfg.steps,
-                        "policy_version": ctx.iteration - 1})
+        traj = generate(policy.model, net, flat_prompts, seeds.reshape(-1).tolist(), cfg.steps, cfg.batch_size,
+                        desc=f"explore {precision}", noise_level=ctx.cfg.sde_noise_level(),
+                        sde_window=ctx.cfg.regenerate.sde_window if cfg.steps == ctx.cfg.regenerate.steps else None)
+    images = policy.model.decode(traj.samples)  # [P*N, H, W, 3]
+    arrays = {"images": images.reshape(P, N, *images.shape[1:]), "seeds": seeds, "prompt_index": prompt_index}
+    if not ctx.cfg.regenerate.enabled:  # the update trains on these samples: keep what it needs
+        arrays |= trajectory_arrays(traj, (P, N), ctx.cfg.sde_noise_level() > 0)
+    write_arrays(out / POOL, arrays, attrs={"prompts": prompts, "precision": precision, "steps": cfg.steps,
+                                            "policy_version": ctx.iteration - 1, "sde_steps": traj.sde.tolist()})
     # Seconds to build (first iteration in this process) or sync in place (later) the quantized copy.
     return StageOutput(metrics={"explore/sync_seconds": policy.explore_sync_seconds,
                                 "explore/low_precision": precision != "bf16"},

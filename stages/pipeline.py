@@ -37,7 +37,7 @@ ITERATION: tuple[Stage, ...] = (
     Stage("explore", explore, (), True),
     Stage("score_explore", score_explore, ("explore",), False),
     Stage("select", select, ("explore", "score_explore"), False),
-    Stage("regenerate", regenerate, ("select",), True),
+    Stage("regenerate", regenerate, ("explore", "select"), True),
     Stage("score_regenerate", score_regenerate, ("regenerate", "select"), False),
     Stage("audit", audit, ("explore", "score_explore"), True),
     Stage("update", update, ("regenerate", "score_regenerate"), True),

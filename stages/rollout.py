@@ -6,6 +6,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 from torch import nn
 from tqdm.auto import tqdm
@@ -56,6 +57,17 @@ def generate(model: ModelAdapter, net: nn.Module, prompts: Sequence[str], seeds:
             parts.append(Trajectory(torch.stack([noise, final], 1).cpu(), torch.zeros(len(final), 0),
                                     torch.zeros(steps, dtype=torch.bool)))
     return Trajectory(torch.cat([p.latents for p in parts]), torch.cat([p.log_probs for p in parts]), parts[0].sde)
+
+
+def trajectory_arrays(traj: Trajectory, groups: tuple[int, int], sde: bool) -> dict[str, np.ndarray]:
+    """What the update needs of ``B = P * k`` rollouts, as ``[P, k, ...]`` arrays: the final latents float32
+    ``[P, k, C, h, w]`` and, for SDE rollouts, the trajectory ``[P, k, S + 1, C, h, w]`` and log-probs
+    ``[P, k, S]``."""
+    arrays = {"latents": traj.samples.numpy().astype(np.float32).reshape(*groups, *traj.samples.shape[1:])}
+    if sde:
+        arrays["trajectory"] = traj.latents.numpy().astype(np.float32).reshape(*groups, *traj.latents.shape[1:])
+        arrays["log_probs"] = traj.log_probs.numpy().astype(np.float32).reshape(*groups, -1)
+    return arrays
 
 
 #: Emulated explore precisions -> fake-quant format of ``solrl.stages.quant``.

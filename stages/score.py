@@ -87,7 +87,7 @@ def score_regenerate(ctx: StageContext, out: Path) -> StageOutput:
     prompts = [attrs["prompts"][p] for p in range(P) for _ in range(k)]
     values = score_images(ctx, pool["images"].reshape(P * k, *pool["images"].shape[2:]), prompts,
                           ctx.cfg.reward.weights)
-    table = rewards_table(pool, attrs["prompts"], values, ctx.cfg.reward.weights, "bf16")
+    table = rewards_table(pool, attrs["prompts"], values, ctx.cfg.reward.weights, attrs["precision"])
     write_table(out / REWARDS, table)
     # Paired explore rewards of the kept seeds, in the regenerated order.
     select_dir, _ = require(ctx.run_dir, ctx.iteration, "select")

@@ -41,6 +41,7 @@ def test_config_is_frozen_and_hash_changes_with_values():
     (["reward.weights={clipscore: 1.0}"], r"reward.weights.clipscore"),
     (["explore.pool_size"], r"expected section.key=value"),
     (["train.loss=flow_grpo", "regenerate.noise_level=0"], r"needs an SDE sampler.*set regenerate.noise_level=0.7"),
+    (["train.loss=flow_grpo", "regenerate.enabled=false"], r"explore.steps=6 must equal regenerate.steps=10"),
     (["train.clip_range=0"], r"train.clip_range: Input should be greater than 0"),
     (["train.timestep_fraction=0"], r"train.timestep_fraction: Input should be greater than 0"),
     (["regenerate.sde_window=[3, 2]"], r"regenerate.sde_window=\[3, 2\] must satisfy 0 <= start < end <= "),

@@ -199,3 +199,30 @@ def test_explore_and_regenerate_share_the_sde_noise_path_of_a_seed(tmp_path):
     torch.testing.assert_close(alone.latents[0], batch.latents[1], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(alone.latents[0, 0], ode.latents[0, 0], rtol=0, atol=0)  # same initial noise
     assert not torch.allclose(alone.samples, ode.samples)
+
+
+@pytest.mark.parametrize("preset", ["sol-rl", "bf16-scaling", "naive-fp4", "diffusionnft"])
+def test_baseline_presets_load(preset):
+    from solrl.config import load_config
+
+    cfg = load_config(preset)
+    assert cfg.name == preset and cfg.regenerate.enabled == (preset == "sol-rl")
+
+
+@pytest.mark.parametrize("loss", ["nft", "flow_grpo"])
+def test_without_regenerate_the_update_trains_on_the_kept_explore_samples(tmp_path, loss):
+    from conftest import tiny_config
+
+    cfg = tiny_config(tmp_path, "regenerate.enabled=false", f"train.loss={loss}", "explore.steps=10")
+    run = create_run(cfg, f"naive-{loss}")
+    ctx = StageContext(cfg, run.run_dir, run.run_id, 1)
+    for stage in ("explore", "score_explore", "select", "regenerate", "score_regenerate", "update"):
+        manifest, _ = run_stage(ctx, stage)
+    pool, _ = read_arrays(stage_dir(run.run_dir, 1, "explore") / "candidates.zarr")
+    kept, attrs = read_arrays(stage_dir(run.run_dir, 1, "regenerate") / "samples.zarr")
+    rows = np.arange(2)[:, None]
+    np.testing.assert_array_equal(kept["latents"], pool["latents"][rows, kept["candidate_index"]])
+    np.testing.assert_array_equal(kept["images"], pool["images"][rows, kept["candidate_index"]])
+    assert attrs["precision"] == "nvfp4_emulated" and attrs["regenerated"] is False
+    assert ("trajectory" in kept) == (loss == "flow_grpo")
+    assert np.isfinite(manifest.metrics["train/loss"])
