@@ -137,7 +137,7 @@ def report(
     columns = [c for c in ("eval/digit_alignment", "eval/digit_evaluator", "eval/diversity", "explore/reward_mean",
                            "regenerate/reward_mean", "fidelity/spearman", "fidelity/kendall", "train/loss")
                if c in frame]
-    frame["seconds/iteration"] = frame.filter(like="seconds/").drop(columns="seconds/evaluate", errors="ignore").sum(1)
+    frame["seconds/iteration"] = frame.filter(like="seconds/").drop(columns="seconds/evaluate", errors="ignore").sum(axis=1)
     table = Table("iter", *[c.split("/", 1)[1] if c.startswith("eval/") else c for c in columns], "s/iter",
                   title=f"run {run_id}")
     for _, row in frame.iterrows():
