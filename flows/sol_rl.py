@@ -18,15 +18,16 @@ from solrl.storage.runs import open_run, run_lock
 from solrl.storage.stage import stage_dir
 from solrl.storage.tracking import Tracker
 
-#: Images logged to MLflow per iteration, by stage: (file in the stage folder, artifact folder).
-_IMAGES = {"select": ("best_worst.png", "best_worst"), "evaluate": ("samples.png", "eval_samples")}
+#: Logged to MLflow per iteration, by stage: (file or folder in the stage folder, artifact folder).
+_ARTIFACTS = {"select": ("best_worst.png", "best_worst"), "evaluate": ("samples.png", "eval_samples"),
+              "checkpoint": (".", "checkpoints")}
 
 
 @task(task_run_name="{stage}[{iteration}]", cache_policy=NO_CACHE, persist_result=False, retry_delay_seconds=2)
 def stage_task(store: str, run_id: str, iteration: int, stage: str) -> dict:
     """Run (or skip) one stage; returns its manifest as a dict."""
     run = open_run(store, run_id)
-    ctx = StageContext(run.config, run.run_dir, run.run_id, iteration)
+    ctx = StageContext(run.config, run.run_dir, run.run_id, iteration, run.config_hash)
     manifest, skipped = run_stage(ctx, stage)
     logger = get_run_logger()
     if skipped:
@@ -44,11 +45,11 @@ def _run_and_track(store: str, run_id: str, iteration: int, stage: str, tracker:
     manifest = result["manifest"]
     if not result["skipped"]:
         tracker.log_metrics({**manifest["metrics"], f"seconds/{stage}": manifest["seconds"]}, step=iteration)
-        if stage in _IMAGES:
-            name, folder = _IMAGES[stage]
-            image = stage_dir(open_run(store, run_id).run_dir, iteration, stage) / name
-            if image.exists():
-                tracker.log_artifact(image, f"{folder}/iter_{iteration:06d}")
+        if stage in _ARTIFACTS:
+            name, folder = _ARTIFACTS[stage]
+            path = stage_dir(open_run(store, run_id).run_dir, iteration, stage) / name
+            if path.exists():
+                tracker.log_artifact(path, f"{folder}/iter_{iteration:06d}")
     return result
 
 
@@ -59,7 +60,7 @@ def sol_rl_iteration(store: str, run_id: str, iteration: int) -> dict[str, float
     Returns the metrics of the stages that ran (skipped stages contribute their recorded metrics too).
     """
     run = open_run(store, run_id)
-    tracker = Tracker(run.config, run.run_dir, run_id)
+    tracker = Tracker(run)
     retries = run.config.campaign.stage_retries
     metrics: dict[str, float] = {}
     for stage in ITERATION:
@@ -77,7 +78,7 @@ def campaign(store: str, run_id: str) -> dict[str, float]:
     run = open_run(store, run_id)
     logger = get_run_logger()
     with run_lock(run.run_dir):
-        tracker = Tracker(run.config, run.run_dir, run_id)
+        tracker = Tracker(run)
         final = _run_and_track(store, run_id, 0, "evaluate", tracker, run.config.campaign.stage_retries)
         metrics = dict(final["manifest"]["metrics"])
         try:

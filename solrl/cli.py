@@ -91,6 +91,15 @@ def resume(run_id: Annotated[str, typer.Argument(help="The run to continue.")], 
         run_ = open_run(store, run_id)
     except ConfigError as exc:
         _fail(str(exc))
+    from solrl.stages.context import StageContext
+    from solrl.stages.pipeline import first_pending
+
+    pending = first_pending(StageContext(run_.config, run_.run_dir, run_id, 0, run_.config_hash))
+    if pending is None:
+        typer.echo(f"run {run_id} is complete ({run_.config.campaign.iterations} iterations committed); "
+                   f"nothing to do. See `solrl report {run_id} --store {store}`.")
+        return
+    typer.echo(f"resuming run {run_id} at iteration {pending[0]}, stage {pending[1]}")
     _launch(str(run_.run_dir.parent), run_id)
 
 
@@ -106,10 +115,13 @@ def list_(store: StoreOption = "runs") -> None:
     if not rows:
         typer.echo(f"no runs in {Path(store).resolve()}")
         return
-    table = Table("run id", "created", "iterations done", "path")
+    table = Table(title=f"runs in {Path(store).resolve()}")
+    table.add_column("run id", no_wrap=True, min_width=max(len(str(r["run_id"])) for r in rows))
+    for name in ("created (UTC)", "iterations done", "last committed stage", "explore"):
+        table.add_column(name, overflow="fold")
     for row in rows:
-        table.add_row(str(row["run_id"]), str(row["created"])[:19], f"{row['iterations_done']}/{row['iterations']}",
-                      str(row["path"]))
+        table.add_row(str(row["run_id"]), str(row["created"])[:19].replace("T", " "),
+                      f"{row['iterations_done']}/{row['iterations']}", str(row["last_stage"]), str(row["explore"]))
     Console().print(table)
 
 
@@ -166,7 +178,7 @@ def report(
 @app.command("pretrain-tiny-digits")
 def pretrain_tiny_digits(
     steps: Annotated[int, typer.Option(help="Generator pretraining steps (sets how much room RL has).")] = 170,
-    out: Annotated[Path, typer.Option(help="Output folder.")] = Path("stages/models/weights/tiny_digits"),
+    out: Annotated[Path, typer.Option(help="Output folder.")] = Path("stages/models/weights/tiny-digits"),
     seed: int = 0,
 ) -> None:
     """Train the tiny-digits classifiers and generator from scikit-learn's digits (the shipped weights)."""

@@ -223,8 +223,13 @@ class RunConfig(_Section):
 
     def digest(self) -> str:
         """sha256 of the canonical JSON of the config (``base_dir`` excluded): the config hash."""
-        data = self.model_dump(mode="json", exclude={"base_dir"})
-        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+        return config_digest(self.model_dump(mode="json"))
+
+
+def config_digest(data: dict[str, Any]) -> str:
+    """sha256 of a config mapping's canonical JSON, ``base_dir`` excluded (``RunConfig.digest`` of a dump)."""
+    payload = {k: v for k, v in data.items() if k != "base_dir"}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
 def read_prompts(path: Path, field: str) -> list[str]:
@@ -276,13 +281,24 @@ def _apply_override(data: dict[str, Any], path: list[str], value: Any, item: str
     node[path[-1]] = value
 
 
+def _known_keys(loc: tuple) -> list[str]:
+    """The field names of the config section at ``loc`` (() = the top level)."""
+    model: type[BaseModel] = RunConfig
+    for part in loc:
+        annotation = model.model_fields[str(part)].annotation
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return []
+        model = annotation
+    return [name for name in model.model_fields if name != "base_dir"]
+
+
 def _format_validation_error(exc: ValidationError) -> str:
     parts = []
     for err in exc.errors():
         loc = ".".join(str(p) for p in err["loc"])
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
-            msg = "unknown key (check the spelling; `solrl run --help` and configs/tiny-digits.yaml list the keys)"
+            msg = f"unknown key; known keys here: {', '.join(_known_keys(err['loc'][:-1]))}"
         elif "input" in err and err["type"] not in ("value_error",) and not isinstance(err["input"], dict):
             msg = f"{msg} (got {err['input']!r})"
         parts.append(f"{loc}: {msg}" if loc else msg)

@@ -20,7 +20,7 @@ def checkpoint(ctx: StageContext, out: Path) -> StageOutput:
     sections, state = load_checkpoint(update_dir / TRAINED)
     weights = Path(ctx.cfg.model.path).expanduser() if ctx.cfg.model.path else TINY_DIGITS_WEIGHTS
     architecture = json.loads((weights / "transformer" / "config.json").read_text(encoding="utf-8"))
-    state = {**state, "iteration": ctx.iteration, "run_id": ctx.run_id, "config_hash": ctx.cfg.digest(),
+    state = {**state, "iteration": ctx.iteration, "run_id": ctx.run_id, "config_hash": ctx.config_key,
              "model_family": ctx.cfg.model.family, "model_path": ctx.cfg.model.path,
              "lora": {"rank": ctx.cfg.model.lora_rank, "alpha": ctx.cfg.model.lora_alpha},
              "architecture": architecture, "solrl_version": __version__}

@@ -31,6 +31,13 @@ class StageContext:
     run_dir: Path
     run_id: str
     iteration: int
+    #: The run's recorded config hash (``Run.config_hash``); defaults to the config's digest.
+    config_hash: str = ""
+
+    @property
+    def config_key(self) -> str:
+        """The config hash that stage cache keys and checkpoints record."""
+        return self.config_hash or self.cfg.digest()
 
     @cached_property
     def device(self) -> torch.device:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from solrl.stages.audit import audit
@@ -64,7 +64,7 @@ def stage_key(ctx: StageContext, stage: Stage) -> str:
     if stage.reads_policy or stage.name == "evaluate":
         previous = ctx.iteration - 1 if stage.name != "evaluate" else ctx.iteration
         upstream["policy"] = read_manifest(ctx.run_dir, previous, "checkpoint") if previous >= 1 else None
-    return inputs_hash(ctx.run_id, ctx.iteration, stage.name, ctx.cfg.digest(), upstream)
+    return inputs_hash(ctx.run_id, ctx.iteration, stage.name, ctx.config_key, upstream)
 
 
 def clean_stale(ctx: StageContext, name: str) -> None:
@@ -87,3 +87,17 @@ def run_stage(ctx: StageContext, name: str) -> tuple[StageManifest, bool]:
     clean_stale(ctx, name)
     return run_or_skip(ctx.run_dir, ctx.run_id, ctx.iteration, name, stage_key(ctx, stage),
                        lambda out: stage.fn(ctx, out))
+
+
+def first_pending(ctx0: StageContext) -> tuple[int, str] | None:
+    """The first (iteration, stage) of the campaign whose committed output is missing or stale, in run order
+    (the starting evaluation, then each iteration's due stages); None when the whole campaign is committed.
+    ``ctx0`` is the run's context at iteration 0."""
+    plan = [(0, "evaluate")] + [(i, s.name) for i in range(1, ctx0.cfg.campaign.iterations + 1) for s in ITERATION
+                                if stage_due(ctx0.cfg, s.name, i)]
+    for iteration, name in plan:
+        ctx = replace(ctx0, iteration=iteration)
+        manifest = read_manifest(ctx.run_dir, iteration, name)
+        if manifest is None or manifest.inputs_hash != stage_key(ctx, STAGES[name]):
+            return iteration, name
+    return None

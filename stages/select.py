@@ -41,8 +41,10 @@ def select(ctx: StageContext, out: Path) -> StageOutput:
     })
     write_table(out / SELECTION, table)
     shown = min(ctx.cfg.tracking.grid_prompts, P)
-    if shown:
-        save_grid(pool["images"][rows[:shown], index[:shown]], out / GRID)
+    if shown:  # rows: prompts; columns: kept seeds, best first, a red rule before the worst
+        save_grid(pool["images"][rows[:shown], index[:shown]], out / GRID, row_labels=attrs["prompts"][:shown],
+                  column_labels=["best"] + [""] * (cfg.k // 2 - 1) + ["worst"] if cfg.strategy == "best_worst"
+                  else (), split=cfg.k // 2 if cfg.strategy == "best_worst" else None)
     kept = rewards[rows, index]
     return StageOutput(metrics={"select/kept_reward_mean": float(kept.mean()),
                                 "select/kept_reward_spread": float((kept.max(1) - kept.min(1)).mean())})

@@ -14,7 +14,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from solrl import __version__
-from solrl.config import ConfigError, RunConfig, validate_config
+from solrl.config import ConfigError, RunConfig, config_digest, validate_config
 from solrl.storage.stage import MANIFEST, write_json_atomic
 
 RUN_FILE = "run.json"
@@ -28,6 +28,9 @@ class Run:
     run_id: str
     run_dir: Path
     config: RunConfig
+    #: The hash recorded at creation: stage cache keys use it, so a solrl upgrade that adds config fields
+    #: with defaults does not invalidate the stages a run already committed.
+    config_hash: str
 
 
 def new_run_id(name: str) -> str:
@@ -57,7 +60,7 @@ def create_run(cfg: RunConfig, run_id: str | None = None) -> Run:
         "run_id": run_id, "config": cfg.model_dump(mode="json"), "config_hash": cfg.digest(),
         "solrl_version": __version__, "created": datetime.now(timezone.utc).isoformat(),
     })
-    return Run(run_id, run_dir, cfg)
+    return Run(run_id, run_dir, cfg, cfg.digest())
 
 
 def open_run(root: str | Path, run_id: str) -> Run:
@@ -74,10 +77,10 @@ def open_run(root: str | Path, run_id: str) -> Run:
         raise ConfigError(f"no run {run_id!r} in {run_dir.parent} (recent: {known}); see `solrl ls`") from None
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{run_dir / RUN_FILE} is unreadable ({exc})") from exc
-    cfg = validate_config(data["config"])
-    if cfg.digest() != data["config_hash"]:
+    if config_digest(data["config"]) != data.get("config_hash"):
         raise ConfigError(f"{run_dir / RUN_FILE}: config does not match its recorded hash; the file was edited")
-    return Run(run_id, run_dir, cfg)
+    cfg = validate_config(data["config"])
+    return Run(run_id, run_dir, cfg, data["config_hash"])
 
 
 def list_runs(root: str | Path) -> list[dict[str, object]]:
@@ -88,10 +91,17 @@ def list_runs(root: str | Path) -> list[dict[str, object]]:
             data = json.loads(run_file.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             continue
-        done = [d for d in run_file.parent.glob("iter_*") if (d / "checkpoint" / MANIFEST).exists()]
+        iterations = sorted(run_file.parent.glob("iter_*"))
+        done = [d for d in iterations if (d / "checkpoint" / MANIFEST).exists()]
+        last = ""
+        if iterations:  # the newest committed stage, e.g. "iter 3: select"
+            committed = sorted((p.stat().st_mtime, p.parent.name) for p in iterations[-1].glob(f"*/{MANIFEST}"))
+            last = f"iter {int(iterations[-1].name[5:])}: {committed[-1][1]}" if committed else ""
+        config = data.get("config", {})
         rows.append({"run_id": data.get("run_id", run_file.parent.name), "created": data.get("created", ""),
-                     "iterations_done": len(done),
-                     "iterations": data.get("config", {}).get("campaign", {}).get("iterations", "?"),
+                     "iterations_done": len(done), "iterations": config.get("campaign", {}).get("iterations", "?"),
+                     "last_stage": last, "explore": "{precision} pool {pool_size}".format(
+                         **{"precision": "?", "pool_size": "?", **config.get("explore", {})}),
                      "path": str(run_file.parent)})
     return sorted(rows, key=lambda r: str(r["created"]))
 

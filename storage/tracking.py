@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from solrl import __version__
 from solrl.config import RunConfig
+from solrl.storage.runs import Run
 from solrl.storage.stage import write_json_atomic
 
 TRACKING_FILE = "tracking.json"
@@ -29,6 +32,16 @@ def tracking_uri(cfg: RunConfig) -> str:
         return os.environ["MLFLOW_TRACKING_URI"]
     root = Path(cfg.storage.root).expanduser().resolve()
     return f"sqlite:///{root / 'mlflow.db'}"
+
+
+def _git_commit() -> str | None:
+    """The commit of the solrl checkout this code runs from, when it is one (provenance); else None."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
+                             capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
 
 
 def _flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -48,9 +61,10 @@ class Tracker:
     The MLflow run id is kept in ``<run_dir>/tracking.json`` so ``solrl resume`` continues the same MLflow run.
     """
 
-    def __init__(self, cfg: RunConfig, run_dir: Path, run_id: str) -> None:
+    def __init__(self, run: Run) -> None:
         import mlflow
 
+        cfg, run_dir, run_id = run.config, run.run_dir, run.run_id
         self._mlflow = mlflow
         self.uri = tracking_uri(cfg)
         root = Path(cfg.storage.root).expanduser().resolve()
@@ -68,14 +82,16 @@ class Tracker:
         if stored.get("mlflow_run_id") and stored.get("tracking_uri") == self.uri:
             self.mlflow_run_id = stored["mlflow_run_id"]
         else:
-            run = client.create_run(experiment_id, run_name=run_id, tags={"solrl.run_id": run_id})
-            self.mlflow_run_id = run.info.run_id
+            created = client.create_run(experiment_id, run_name=run_id, tags={
+                "solrl.run_id": run_id, "solrl.run_dir": str(run_dir), "solrl.version": __version__,
+                **({"mlflow.source.git.commit": commit} if (commit := _git_commit()) else {})})
+            self.mlflow_run_id = created.info.run_id
             write_json_atomic(state_file, {"mlflow_run_id": self.mlflow_run_id, "tracking_uri": self.uri,
                                            "experiment_id": experiment_id})
             params = _flatten(cfg.model_dump(mode="json", exclude={"base_dir"}))
             for key, value in params.items():
                 client.log_param(self.mlflow_run_id, key, str(value)[:6000])
-            client.log_param(self.mlflow_run_id, "config_hash", cfg.digest())
+            client.log_param(self.mlflow_run_id, "config_hash", run.config_hash)
         self.client = client
         self.experiment_id = experiment_id
 
@@ -89,7 +105,11 @@ class Tracker:
             self.client.log_batch(self.mlflow_run_id, metrics=batch[i: i + 900])
 
     def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
-        self.client.log_artifact(self.mlflow_run_id, str(path), artifact_path)
+        """Log a file, or every file of a folder, under ``artifact_path``."""
+        if path.is_dir():
+            self.client.log_artifacts(self.mlflow_run_id, str(path), artifact_path)
+        else:
+            self.client.log_artifact(self.mlflow_run_id, str(path), artifact_path)
 
     def finish(self, status: str = "FINISHED") -> None:
         self.client.set_terminated(self.mlflow_run_id, status=status)

@@ -50,7 +50,10 @@ def test_two_iteration_campaign_commits_every_stage_logs_mlflow_and_reruns_as_sk
                 "seconds/explore", "eval/diversity", "audit/best_true_rank"):
         assert [m.step for m in client.get_metric_history(mlflow_run.info.run_id, key)], key
     artifacts = {a.path for a in client.list_artifacts(mlflow_run.info.run_id)}
-    assert {"best_worst", "eval_samples"} <= artifacts
+    assert {"best_worst", "eval_samples", "checkpoints"} <= artifacts
+    checkpoint = {a.path for a in client.list_artifacts(mlflow_run.info.run_id, "checkpoints/iter_000002")}
+    assert "checkpoints/iter_000002/state.json" in checkpoint and "checkpoints/iter_000002/_MANIFEST.json" in checkpoint
+    assert mlflow_run.data.tags["solrl.run_id"] == "flow"
     assert mlflow_run.data.params["explore.precision"] == "nvfp4_emulated"
 
     campaign(str(run.run_dir.parent), run.run_id)  # everything committed: a re-run changes nothing

@@ -33,8 +33,8 @@ def test_a_plain_wheel_holds_code_presets_and_weights_and_imports(tmp_path: Path
     names = set(zipfile.ZipFile(wheel).namelist())
     for needed in ("solrl/flows/sol_rl.py", "solrl/stages/quant/nvfp4.py", "solrl/storage/stage.py",
                    "solrl/configs/tiny-digits.yaml", "solrl/configs/prompts/tiny-digits-train.txt",
-                   "solrl/stages/models/weights/tiny_digits/transformer/diffusion_pytorch_model.safetensors",
-                   "solrl/stages/models/weights/tiny_digits/classifier.safetensors"):
+                   "solrl/stages/models/weights/tiny-digits/transformer/diffusion_pytorch_model.safetensors",
+                   "solrl/stages/models/weights/tiny-digits/classifier.safetensors"):
         assert needed in names, needed
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)

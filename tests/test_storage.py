@@ -122,3 +122,24 @@ def test_checkpoint_and_optimizer_state_round_trip(tmp_path: Path):
         for key in a:
             torch.testing.assert_close(torch.as_tensor(a[key]), torch.as_tensor(b[key]))
     torch.testing.assert_close(sections["policy"]["w"], params[0].detach())
+
+
+def test_open_run_detects_an_edited_config_but_accepts_an_older_schema(tmp_path: Path):
+    from conftest import tiny_config
+
+    from solrl.config import ConfigError, config_digest
+    from solrl.storage.runs import create_run, open_run
+
+    run = create_run(tiny_config(tmp_path), "r1")
+    path = run.run_dir / "run.json"
+    data = json.loads(path.read_text())
+    # A run written by an older solrl, before the fidelity section existed: its hash covers what it wrote.
+    del data["config"]["fidelity"]
+    data["config_hash"] = config_digest(data["config"])
+    path.write_text(json.dumps(data))
+    reopened = open_run(tmp_path, "r1")
+    assert reopened.config_hash == data["config_hash"] != reopened.config.digest()
+    data["config"]["explore"]["pool_size"] = 16  # a hand edit
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match="the file was edited"):
+        open_run(tmp_path, "r1")

@@ -23,7 +23,7 @@ from solrl.config import ModelConfig
 from solrl.stages.models import tiny_digits
 
 #: Weights shipped with solrl (few MB), rebuilt by ``solrl pretrain-tiny-digits``.
-TINY_DIGITS_WEIGHTS = Path(__file__).parent / "weights" / "tiny_digits"
+TINY_DIGITS_WEIGHTS = Path(__file__).parent / "weights" / "tiny-digits"
 
 
 def resolve_device(name: str) -> torch.device:

@@ -1,8 +1,8 @@
 """Pretrain tiny-digits: the two digit classifiers and the text-to-image generator.
 
-Reproduces the weights shipped in ``stages/models/weights/tiny_digits`` with::
+Reproduces the weights shipped in ``stages/models/weights/tiny-digits`` with::
 
-    solrl pretrain-tiny-digits --steps 400 --out stages/models/weights/tiny_digits
+    solrl pretrain-tiny-digits --steps 400 --out stages/models/weights/tiny-digits
 
 (deterministic on one machine and torch version; a few minutes on 2 CPU
 cores). The generator is trained with the rectified-flow objective
