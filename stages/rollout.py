@@ -43,7 +43,8 @@ def generate(model: ModelAdapter, net: nn.Module, prompts: Sequence[str], seeds:
     for chunk in tqdm(chunks, desc=desc, unit="batch", disable=len(chunks) < 4, leave=False):
         emb, mask = model.encode(list(prompts[chunk]))
 
-        def velocity(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+        def velocity(x: torch.Tensor, sigma: torch.Tensor, emb: torch.Tensor = emb,
+                     mask: torch.Tensor = mask) -> torch.Tensor:
             with compute_precision(model.device):
                 return model.velocity(net, x, sigma, emb, mask)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from solrl.config import ConfigError, RunConfig, list_presets, load_config
 
@@ -24,7 +25,7 @@ def test_set_overrides_parse_yaml_values():
 
 def test_config_is_frozen_and_hash_changes_with_values():
     a, b = load_config(), load_config(None, ["train.lr=0.01"])
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError, match="frozen"):
         a.train.lr = 1.0  # type: ignore[misc]
     assert a.digest() != b.digest()
     assert a.digest() == load_config().digest()

@@ -10,8 +10,6 @@ from pathlib import Path
 
 import pytest
 
-import solrl
-
 REPO = Path(__file__).resolve().parents[1]
 
 
