@@ -55,7 +55,7 @@ def _report(store: str, run_id: str) -> None:
     from solrl.storage.tracking import tracking_uri
 
     run = open_run(store, run_id)
-    uri = tracking_uri(run.config)
+    uri = tracking_uri(run.config, run.run_dir.parent)
     prefect_home = os.environ.get("PREFECT_HOME", "~/.prefect")
     typer.echo(f"\nrun {run_id} finished; results in {run.run_dir}\n"
                f"  per-iteration stages: {run.run_dir}/iter_*/<stage>/ (Zarr pools, Parquet tables, checkpoint)\n"
@@ -163,8 +163,8 @@ def report(
         import matplotlib.pyplot as plt
 
         evals = [c for c in frame if c.startswith("eval/")]
-        fig, axes = plt.subplots(1, len(evals), figsize=(4 * len(evals), 3.2))
-        for ax, column in zip(axes, evals):
+        fig, axes = plt.subplots(1, len(evals), figsize=(4 * len(evals), 3.2), squeeze=False)
+        for ax, column in zip(axes[0], evals):
             data = frame[["iteration", column]].dropna()
             ax.plot(data["iteration"], data[column], marker="o", ms=3)
             ax.set_title(column)

@@ -35,7 +35,7 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class ModelConfig(_Section):
@@ -175,6 +175,17 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _cross_field_rules(self) -> RunConfig:
+        if not all(0 <= b < 1 for b in self.train.betas):
+            raise ValueError(f"train.betas={list(self.train.betas)} must both be in [0, 1); AdamW's default is "
+                             f"[0.9, 0.999]")
+        if self.model.device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ValueError("model.device=cuda but torch sees no CUDA device; set model.device=cpu or auto")
+        if self.model.path is not None and not (Path(self.model.path).expanduser() / "transformer").is_dir():
+            raise ValueError(f"model.path={self.model.path!r} has no transformer/ folder; give the folder written by "
+                             f"`solrl pretrain-tiny-digits --out`, or null for the shipped weights")
         k, pool = self.select.k, self.explore.pool_size
         if k % 2 and self.select.strategy == "best_worst":
             raise ValueError(f"select.k={k} must be even for best_worst (k/2 best + k/2 worst); set select.k={k + 1}")
@@ -349,7 +360,17 @@ def validate_config(data: dict[str, Any]) -> RunConfig:
         cfg = RunConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(_format_validation_error(exc)) from None
-    # Prompt files must be readable now, not half way through a run.
-    cfg.train_prompts()
-    cfg.eval_prompts()
+    # Prompt files must be readable now, and usable by the rewards, not half way through a run.
+    rewards = {*cfg.reward.weights, *cfg.reward.evaluate}
+    for field, prompts in (("campaign.prompts_file", cfg.train_prompts()),
+                           ("campaign.eval_prompts_file", cfg.eval_prompts())):
+        if rewards & {"digit_alignment", "digit_evaluator"}:
+            from solrl.stages.models.tiny_digits import prompt_digit  # the digit rewards' own parser
+
+            for prompt in prompts:
+                try:
+                    prompt_digit(prompt)
+                except ValueError:
+                    raise ConfigError(f"{field}: prompt {prompt!r} names no digit, which the digit rewards need; "
+                                      f"name one (zero..nine or 0..9) or use other rewards") from None
     return cfg

@@ -158,7 +158,7 @@ def update(ctx: StageContext, out: Path) -> StageOutput:
                     on_policy_dev = max(on_policy_dev or 0.0, deviation)
                 weight = (mb.stop - mb.start) / B / n_t
                 (loss * weight).backward()
-                for key, value in terms.items() | {("loss", loss.item())}:
+                for key, value in [("loss", loss.item()), *terms.items()]:
                     acc[key] = acc.get(key, 0.0) + value * weight
         grad_norm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip).item()
         if not np.isfinite(grad_norm):

@@ -77,6 +77,8 @@ def open_run(root: str | Path, run_id: str) -> Run:
         raise ConfigError(f"no run {run_id!r} in {run_dir.parent} (recent: {known}); see `solrl ls`") from None
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{run_dir / RUN_FILE} is unreadable ({exc})") from exc
+    if not (isinstance(data, dict) and isinstance(data.get("config"), dict) and "config_hash" in data):
+        raise ConfigError(f"{run_dir / RUN_FILE} is not a solrl run file (no config and config_hash)")
     if config_digest(data["config"]) != data.get("config_hash"):
         raise ConfigError(f"{run_dir / RUN_FILE}: config does not match its recorded hash; the file was edited")
     cfg = validate_config(data["config"])
@@ -90,6 +92,8 @@ def list_runs(root: str | Path) -> list[dict[str, object]]:
         try:
             data = json.loads(run_file.read_text(encoding="utf-8"))
         except (OSError, ValueError):
+            continue
+        if not (isinstance(data, dict) and isinstance(data.get("config", {}), dict)):
             continue
         iterations = sorted(run_file.parent.glob("iter_*"))
         done = [d for d in iterations if (d / "checkpoint" / MANIFEST).exists()]

@@ -146,12 +146,13 @@ def read_manifest(run_dir: Path, iteration: int, stage: str, *, verify: bool = F
 
 
 def require(run_dir: Path, iteration: int, stage: str) -> tuple[Path, StageManifest]:
-    """The directory and manifest of a committed stage, for reading its outputs.
+    """The directory and manifest of a committed stage, for reading its outputs (checksums verified).
 
     Raises:
-        StageNotCommitted: the stage has no valid manifest; its directory must not be read.
+        StageNotCommitted: the stage has no valid manifest, or a file no longer matches its checksum; its
+            directory must not be read.
     """
-    manifest = read_manifest(run_dir, iteration, stage)
+    manifest = read_manifest(run_dir, iteration, stage, verify=True)
     if manifest is None:
         raise StageNotCommitted(f"iteration {iteration} stage {stage!r} has no valid manifest in {run_dir}")
     return stage_dir(run_dir, iteration, stage), manifest
@@ -203,7 +204,7 @@ def run_or_skip(run_dir: Path, run_id: str, iteration: int, stage: str, key: str
     Returns:
         (manifest, skipped): skipped is True when the committed output was reused.
     """
-    existing = read_manifest(run_dir, iteration, stage)
+    existing = read_manifest(run_dir, iteration, stage, verify=True)  # a corrupted output is redone
     if existing is not None and existing.inputs_hash == key:
         return existing, True
     return commit(run_dir, run_id, iteration, stage, key, write), False

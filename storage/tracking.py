@@ -8,11 +8,13 @@ the config, or ``MLFLOW_TRACKING_URI`` in the environment, is honoured.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -24,14 +26,25 @@ from solrl.storage.stage import write_json_atomic
 TRACKING_FILE = "tracking.json"
 
 
-def tracking_uri(cfg: RunConfig) -> str:
-    """The MLflow tracking URI for ``cfg``: config, then ``MLFLOW_TRACKING_URI``, then sqlite in the store."""
+def tracking_uri(cfg: RunConfig, store: Path) -> str:
+    """The MLflow tracking URI: the config's, then ``MLFLOW_TRACKING_URI``, then a sqlite file in ``store`` (the
+    folder the run actually lives in, so a moved store or a resume from elsewhere keeps one MLflow history)."""
     if cfg.tracking.mlflow_uri:
         return cfg.tracking.mlflow_uri
     if os.environ.get("MLFLOW_TRACKING_URI"):
         return os.environ["MLFLOW_TRACKING_URI"]
-    root = Path(cfg.storage.root).expanduser().resolve()
-    return f"sqlite:///{root / 'mlflow.db'}"
+    return f"sqlite:///{Path(store).resolve() / 'mlflow.db'}"
+
+
+@contextmanager
+def _store_lock(root: Path) -> Iterator[None]:
+    """Exclusive flock on ``<store>/.mlflow.lock`` (blocking; released by the OS if the process dies)."""
+    fd = os.open(root / ".mlflow.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def _git_commit() -> str | None:
@@ -66,17 +79,19 @@ class Tracker:
 
         cfg, run_dir, run_id = run.config, run.run_dir, run.run_id
         self._mlflow = mlflow
-        self.uri = tracking_uri(cfg)
-        root = Path(cfg.storage.root).expanduser().resolve()
-        root.mkdir(parents=True, exist_ok=True)
+        root = run_dir.parent.resolve()
+        self.uri = tracking_uri(cfg, root)
         mlflow.set_tracking_uri(self.uri)
         client = mlflow.MlflowClient()
-        experiment = client.get_experiment_by_name(cfg.tracking.experiment)
-        if experiment is None:
-            artifacts = (root / "mlartifacts").as_uri() if self.uri.startswith("sqlite:") else None
-            experiment_id = client.create_experiment(cfg.tracking.experiment, artifact_location=artifacts)
-        else:
-            experiment_id = experiment.experiment_id
+        # One process at a time creates the sqlite schema and the experiment (two runs starting together in
+        # a new store otherwise race on MLflow's table creation).
+        with _store_lock(root):
+            experiment = client.get_experiment_by_name(cfg.tracking.experiment)
+            if experiment is None:
+                artifacts = (root / "mlartifacts").as_uri() if self.uri.startswith("sqlite:") else None
+                experiment_id = client.create_experiment(cfg.tracking.experiment, artifact_location=artifacts)
+            else:
+                experiment_id = experiment.experiment_id
         state_file = run_dir / TRACKING_FILE
         stored = json.loads(state_file.read_text()) if state_file.exists() else {}
         if stored.get("mlflow_run_id") and stored.get("tracking_uri") == self.uri:

@@ -43,6 +43,10 @@ def test_config_is_frozen_and_hash_changes_with_values():
     (["explore.pool_size"], r"expected section.key=value"),
     (["train.loss=flow_grpo", "regenerate.noise_level=0"], r"needs an SDE sampler.*set regenerate.noise_level=0.7"),
     (["train.loss=flow_grpo", "regenerate.enabled=false"], r"explore.steps=6 must equal regenerate.steps=10"),
+    (["train.lr=.inf"], r"train.lr: Input should be a finite number"),
+    (["reward.weights={digit_alignment: .nan}"], r"reward.weights.digit_alignment: Input should be a finite number"),
+    (["train.betas=[2, 3]"], r"train.betas=\[2.0, 3.0\] must both be in \[0, 1\)"),
+    (["model.path=/nonexistent"], r"model.path='/nonexistent' has no transformer/ folder"),
     (["train.clip_range=0"], r"train.clip_range: Input should be greater than 0"),
     (["train.timestep_fraction=0"], r"train.timestep_fraction: Input should be greater than 0"),
     (["regenerate.sde_window=[3, 2]"], r"regenerate.sde_window=\[3, 2\] must satisfy 0 <= start < end <= "),
@@ -111,3 +115,9 @@ def test_hardware_precision_without_the_hardware_fails_at_load_naming_what_runs(
     with pytest.raises(ConfigError, match=rf"explore.precision={precision} cannot run here: this machine has no "
                                           r"CUDA device; this machine runs: bf16, nvfp4_emulated, fp8_emulated$"):
         load_config(None, [f"explore.precision={precision}"])
+
+
+def test_prompts_that_name_no_digit_are_refused_at_load_when_a_digit_reward_is_used(tmp_path: Path):
+    (tmp_path / "cats.txt").write_text("a handwritten digit two\ndraw a cat\n")
+    with pytest.raises(ConfigError, match="prompt 'draw a cat' names no digit"):
+        load_config(None, [f"campaign.prompts_file={tmp_path / 'cats.txt'}"])

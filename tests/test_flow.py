@@ -42,7 +42,7 @@ def test_two_iteration_campaign_commits_every_stage_logs_mlflow_and_reruns_as_sk
     campaign(str(run.run_dir.parent), run.run_id)
     created = _committed(run.run_dir, 2)
 
-    client = mlflow.MlflowClient(tracking_uri(cfg))
+    client = mlflow.MlflowClient(tracking_uri(cfg, run.run_dir.parent))
     (mlflow_run,) = client.search_runs(client.get_experiment_by_name("solrl").experiment_id)
     history = client.get_metric_history(mlflow_run.info.run_id, "eval/digit_alignment")
     assert sorted(m.step for m in history) == [0, 1, 2]

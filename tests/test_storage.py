@@ -143,3 +143,24 @@ def test_open_run_detects_an_edited_config_but_accepts_an_older_schema(tmp_path:
     path.write_text(json.dumps(data))
     with pytest.raises(ConfigError, match="the file was edited"):
         open_run(tmp_path, "r1")
+
+
+def test_a_same_size_corruption_is_never_trusted_and_gets_redone(tmp_path: Path):
+    commit(tmp_path, "r", 1, "explore", "k", _write_two_files)
+    (stage_dir(tmp_path, 1, "explore") / "a.txt").write_text("ALPHA")  # same size, other bytes
+    with pytest.raises(StageNotCommitted):
+        require(tmp_path, 1, "explore")
+    manifest, skipped = run_or_skip(tmp_path, "r", 1, "explore", "k", _write_two_files)
+    assert not skipped and (stage_dir(tmp_path, 1, "explore") / "a.txt").read_text() == "alpha"
+    assert require(tmp_path, 1, "explore")[1] == manifest
+
+
+def test_a_run_json_of_the_wrong_shape_is_a_config_error_and_ls_skips_it(tmp_path: Path):
+    from solrl.config import ConfigError
+    from solrl.storage.runs import list_runs, open_run
+
+    (tmp_path / "odd").mkdir()
+    (tmp_path / "odd" / "run.json").write_text("[]")
+    with pytest.raises(ConfigError, match="not a solrl run file"):
+        open_run(tmp_path, "odd")
+    assert list_runs(tmp_path) == []
