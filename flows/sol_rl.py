@@ -47,7 +47,7 @@ def _run_and_track(store: str, run_id: str, iteration: int, stage: str, tracker:
         tracker.log_metrics({**manifest["metrics"], f"seconds/{stage}": manifest["seconds"]}, step=iteration)
         if stage in _ARTIFACTS:
             name, folder = _ARTIFACTS[stage]
-            path = stage_dir(open_run(store, run_id).run_dir, iteration, stage) / name
+            path = stage_dir(tracker.run_dir, iteration, stage) / name
             if path.exists():
                 tracker.log_artifact(path, f"{folder}/iter_{iteration:06d}")
     return result

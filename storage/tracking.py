@@ -78,6 +78,7 @@ class Tracker:
         import mlflow
 
         cfg, run_dir, run_id = run.config, run.run_dir, run.run_id
+        self.run_dir = run_dir
         self._mlflow = mlflow
         root = run_dir.parent.resolve()
         self.uri = tracking_uri(cfg, root)
