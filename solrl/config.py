@@ -104,6 +104,12 @@ class TrainConfig(_Section):
     kl_beta: float = Field(1e-4, ge=0, description="Weight of ||v_theta - v_ref||^2 (reference = adapter off).")
     adv_clip_max: float = Field(5.0, gt=0, description="Advantages are clipped to +-adv_clip_max.")
     global_std: bool = Field(True, description="Normalise advantages by the batch std instead of the group std.")
+    advantage_stats: Literal["group", "per_prompt"] = Field(
+        "group", description="group: centre on this iteration's group mean (GRPO); per_prompt: on a per-prompt "
+        "buffer of rewards kept across iterations (DDPO's stat tracker; persisted in update/reward_stats.parquet)."
+    )
+    stat_buffer: int = Field(32, ge=1, description="per_prompt: rewards kept per prompt.")
+    stat_min_count: int = Field(16, ge=1, description="per_prompt: below this many, use the batch statistics.")
     decay_rate: float = Field(0.001, ge=0, description="Rollout-policy decay d = min(decay_rate * step, decay_max).")
     decay_max: float = Field(0.5, ge=0, lt=1)
     ema_decay: float = Field(0.9, ge=0, lt=1, description="EMA of the policy adapter, for evaluation.")
@@ -178,6 +184,10 @@ class RunConfig(_Section):
         if not all(0 <= b < 1 for b in self.train.betas):
             raise ValueError(f"train.betas={list(self.train.betas)} must both be in [0, 1); AdamW's default is "
                              f"[0.9, 0.999]")
+        if self.train.stat_min_count > self.train.stat_buffer:
+            raise ValueError(f"train.stat_min_count={self.train.stat_min_count} exceeds train.stat_buffer="
+                             f"{self.train.stat_buffer}, so the per-prompt statistics would never be used; set "
+                             f"train.stat_min_count <= {self.train.stat_buffer}")
         if self.model.device == "cuda":
             import torch
 

@@ -11,7 +11,7 @@ import torch
 
 from solrl.config import TrainConfig
 from solrl.stages.context import StageContext, compute_precision
-from solrl.stages.losses.advantages import group_advantages
+from solrl.stages.losses.advantages import Advantages, group_advantages, prompt_history_advantages
 from solrl.stages.losses.grpo import grpo_loss
 from solrl.stages.losses.nft import nft_loss
 from solrl.stages.policy import ADAPTERS, Policy
@@ -26,6 +26,8 @@ from solrl.storage.tables import read_table, write_table
 
 TRAINED = "trained"
 METRICS = "metrics.parquet"
+#: The per-prompt reward buffers after this iteration (``train.advantage_stats=per_prompt``): prompt, reward.
+REWARD_STATS = "reward_stats.parquet"
 #: Samples per forward/backward pass of the update (gradient accumulation over micro-batches and timesteps).
 MICRO_BATCH = 64
 
@@ -37,6 +39,30 @@ def regenerated_rewards(ctx: StageContext) -> tuple[dict[str, np.ndarray], dict,
     pool, attrs = read_arrays(regen_dir / SAMPLES)
     rewards = total_rewards(read_table(score_dir / REWARDS), pool["candidate_index"])
     return pool, attrs, attrs["prompts"], rewards
+
+
+def advantages(ctx: StageContext, prompts: list[str], rewards: np.ndarray, out: Path) -> Advantages:
+    """The advantages ``[P, k]`` of this iteration's rewards under ``train.advantage_stats``.
+
+    ``per_prompt`` continues the buffers the previous iteration's update committed (empty at iteration 1, or
+    when that update used group statistics) and commits the updated buffers to ``out/reward_stats.parquet``, so
+    the tracker's state is part of the run: resumable and auditable.
+    """
+    tc = ctx.cfg.train
+    if tc.advantage_stats == "group":
+        return group_advantages(rewards, global_std=tc.global_std, clip=tc.adv_clip_max)
+    history: dict[str, np.ndarray] = {}
+    if ctx.iteration > 1:
+        previous, _ = require(ctx.run_dir, ctx.iteration - 1, "update")
+        if (previous / REWARD_STATS).exists():
+            table = read_table(previous / REWARD_STATS)
+            history = {p: g["reward"].to_numpy(np.float64) for p, g in table.groupby("prompt", sort=False)}
+    adv, updated = prompt_history_advantages(rewards, prompts, history, buffer_size=tc.stat_buffer,
+                                             min_count=tc.stat_min_count, global_std=tc.global_std,
+                                             clip=tc.adv_clip_max)
+    write_table(out / REWARD_STATS, pd.DataFrame({"prompt": [p for p, v in updated.items() for _ in v],
+                                                  "reward": np.concatenate(list(updated.values()))}))
+    return adv
 
 
 @dataclass
@@ -131,7 +157,7 @@ def update(ctx: StageContext, out: Path) -> StageOutput:
     """
     tc = ctx.cfg.train
     pool, attrs, prompts, rewards = regenerated_rewards(ctx)
-    adv = group_advantages(rewards, global_std=tc.global_std, clip=tc.adv_clip_max)
+    adv = advantages(ctx, prompts, rewards, out)
     policy, sections, state = ctx.load_policy()
     params = policy.trainable_parameters()
     opt = torch.optim.AdamW(params, lr=tc.lr, betas=tc.betas, eps=tc.eps, weight_decay=tc.weight_decay)

@@ -46,6 +46,8 @@ def test_config_is_frozen_and_hash_changes_with_values():
     (["train.lr=.inf"], r"train.lr: Input should be a finite number"),
     (["reward.weights={digit_alignment: .nan}"], r"reward.weights.digit_alignment: Input should be a finite number"),
     (["train.betas=[2, 3]"], r"train.betas=\[2.0, 3.0\] must both be in \[0, 1\)"),
+    (["train.stat_min_count=40"], r"train.stat_min_count=40 exceeds train.stat_buffer=32.*set train.stat_min_count <= 32"),
+    (["train.advantage_stats=history"], r"train.advantage_stats: Input should be 'group' or 'per_prompt'"),
     (["model.path=/nonexistent"], r"model.path='/nonexistent' has no transformer/ folder"),
     (["train.clip_range=0"], r"train.clip_range: Input should be greater than 0"),
     (["train.timestep_fraction=0"], r"train.timestep_fraction: Input should be greater than 0"),

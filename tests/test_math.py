@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from solrl.stages.fidelity import pool_agreement, rank_agreement
-from solrl.stages.losses.advantages import ADV_EPS, group_advantages
+from solrl.stages.losses.advantages import ADV_EPS, group_advantages, prompt_history_advantages
 from solrl.stages.losses.nft import nft_loss
 from solrl.stages.sampling import derive_seed, initial_noise, sample_ode
 from solrl.stages.selection import pool_ranks, select_seeds
@@ -90,6 +90,32 @@ def test_global_std_uses_the_batch_and_zero_spread_groups_are_counted_and_zeroed
 def test_advantages_are_clipped():
     r = np.array([[0.0] * 99 + [1.0]])
     assert group_advantages(r, global_std=False, clip=2.0).values.max() == pytest.approx(2.0)
+
+
+def test_prompt_tracker_centres_on_the_prompt_buffer_once_it_holds_min_count():
+    history = {"a": np.array([0.0, 0.0, 1.0, 1.0])}
+    r = np.array([[0.2, 0.8], [0.4, 0.6]])
+    adv, updated = prompt_history_advantages(r, ["a", "b"], history, buffer_size=5, min_count=4, global_std=False)
+    # "a": buffer = last 5 of [0, 0, 1, 1, 0.2, 0.8] -> [0, 1, 1, 0.2, 0.8]; "b" has 2 < min_count: batch stats.
+    buffer_a = np.array([0.0, 1.0, 1.0, 0.2, 0.8])
+    np.testing.assert_allclose(updated["a"], buffer_a)
+    np.testing.assert_allclose(adv.values[0], (r[0] - buffer_a.mean()) / (buffer_a.std() + ADV_EPS), rtol=1e-6)
+    np.testing.assert_allclose(adv.values[1], (r[1] - r.mean()) / (r.std() + ADV_EPS), rtol=1e-6)
+    assert history["a"].tolist() == [0.0, 0.0, 1.0, 1.0]  # the caller's history is not modified
+
+
+def test_prompt_tracker_pools_groups_of_one_prompt_and_skips_a_flat_buffer():
+    r = np.array([[0.0, 1.0], [1.0, 2.0], [0.5, 0.5]])
+    adv, updated = prompt_history_advantages(r, ["a", "a", "c"], {"c": np.array([0.5, 0.5])}, buffer_size=8,
+                                             min_count=4, global_std=True)
+    assert updated["a"].tolist() == [0.0, 1.0, 1.0, 2.0]
+    np.testing.assert_allclose(adv.values[:2], (r[:2] - 1.0) / (r.std() + ADV_EPS), rtol=1e-6)
+    assert adv.values[2].tolist() == [0.0, 0.0] and adv.zero_std_ratio == pytest.approx(1 / 3)
+
+
+def test_prompt_tracker_rejects_a_min_count_it_could_never_reach():
+    with pytest.raises(ValueError, match="min_count"):
+        prompt_history_advantages(np.zeros((1, 2)), ["a"], {}, buffer_size=4, min_count=5)
 
 
 def test_nft_gradient_moves_v_theta_toward_the_positive_sample():

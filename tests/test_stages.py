@@ -201,12 +201,14 @@ def test_explore_and_regenerate_share_the_sde_noise_path_of_a_seed(tmp_path):
     assert not torch.allclose(alone.samples, ode.samples)
 
 
-@pytest.mark.parametrize("preset", ["sol-rl", "bf16-scaling", "naive-fp4", "diffusionnft"])
+@pytest.mark.parametrize("preset", ["sol-rl", "bf16-scaling", "naive-fp4", "diffusionnft", "sol-rl-flow-grpo",
+                                    "flow-grpo"])
 def test_baseline_presets_load(preset):
     from solrl.config import load_config
 
     cfg = load_config(preset)
-    assert cfg.name == preset and cfg.regenerate.enabled == (preset == "sol-rl")
+    assert cfg.name == preset and cfg.regenerate.enabled == preset.startswith("sol-rl")
+    assert cfg.train.loss == ("flow_grpo" if preset.endswith("flow-grpo") else "nft")
 
 
 @pytest.mark.parametrize("loss", ["nft", "flow_grpo"])
@@ -226,3 +228,31 @@ def test_without_regenerate_the_update_trains_on_the_kept_explore_samples(tmp_pa
     assert attrs["precision"] == "nvfp4_emulated" and attrs["regenerated"] is False
     assert ("trajectory" in kept) == (loss == "flow_grpo")
     assert np.isfinite(manifest.metrics["train/loss"])
+
+
+def test_per_prompt_statistics_persist_across_iterations(tmp_path):
+    from conftest import tiny_config
+
+    from solrl.stages.update import REWARD_STATS, regenerated_rewards
+
+    cfg = tiny_config(tmp_path, "train.advantage_stats=per_prompt", "train.stat_buffer=6", "train.stat_min_count=2",
+                      "fidelity.audit_every=0", "campaign.eval_every=100")
+    run = create_run(cfg, "tracker")
+    tables, rewards = [], []
+    for iteration in (1, 2):
+        ctx = StageContext(cfg, run.run_dir, run.run_id, iteration)
+        for stage in ITERATION:
+            if stage.name not in ("audit", "evaluate"):
+                run_stage(ctx, stage.name)
+        tables.append(read_table(stage_dir(run.run_dir, iteration, "update") / REWARD_STATS))
+        _, _, prompts, values = regenerated_rewards(ctx)
+        rewards.append((prompts, values))
+    first, second = tables
+    prompts, values = rewards[1]
+    # Iteration 2 continues iteration 1's committed buffers: each prompt keeps its last 6 rewards, oldest first.
+    for prompt in set(first.prompt) | set(prompts):
+        older = first.loc[first.prompt == prompt, "reward"].to_numpy()
+        newer = values[[p for p, name in enumerate(prompts) if name == prompt]].reshape(-1)
+        expected = np.concatenate([older, newer])[-6:]
+        np.testing.assert_allclose(second.loc[second.prompt == prompt, "reward"].to_numpy(), expected, rtol=1e-6)
+    assert len(first) == 8  # 2 prompts x k = 4 at iteration 1
