@@ -1,6 +1,7 @@
 """Convergence of Sol-RL and its baselines on tiny-digits, in one harness (the paper's Figure 2 in our terms).
 
-Runs each preset (sol-rl, bf16-scaling, naive-fp4, diffusionnft) for the same number of iterations with
+Runs each preset (sol-rl, bf16-scaling, naive-fp4, diffusionnft with the DiffusionNFT loss; sol-rl-flow-grpo
+and flow-grpo with the Flow-GRPO loss) for the same number of iterations with
 several run seeds, through the same stage functions the Prefect flow runs (``solrl.stages.pipeline``; no
 Prefect or MLflow here, so the timings are the stages'), and reports held-out alignment (training classifier
 and the independent evaluator) and sample diversity against iteration and against cumulative training
@@ -28,14 +29,16 @@ from solrl.stages.pipeline import ITERATION, run_stage, stage_due
 from solrl.storage.report import collect_metrics
 from solrl.storage.runs import create_run
 
-PRESETS = ("sol-rl", "bf16-scaling", "naive-fp4", "diffusionnft")
+PRESETS = ("sol-rl", "bf16-scaling", "naive-fp4", "diffusionnft", "sol-rl-flow-grpo", "flow-grpo")
 TRAIN_STAGES = ("explore", "score_explore", "select", "regenerate", "score_regenerate", "update", "checkpoint")
 EVALS = ("eval/digit_alignment", "eval/digit_evaluator", "eval/diversity")
 
 
-def run_one(preset: str, seed: int, iterations: int, store: Path) -> pd.DataFrame:
+def run_one(preset: str, seed: int, iterations: int, store: Path, overrides: tuple[str, ...] = ()) -> pd.DataFrame:
+    """One run of ``preset`` (plus ``--set`` style ``overrides``) through the stage functions; returns its
+    per-iteration metrics with cumulative ``train_seconds``."""
     cfg = load_config(preset, [f"campaign.seed={seed}", f"campaign.iterations={iterations}",
-                               f"storage.root={store}", "fidelity.audit_every=0"])
+                               f"storage.root={store}", "fidelity.audit_every=0", *overrides])
     run = create_run(cfg, f"{preset}-seed{seed}")
     run_stage(StageContext(cfg, run.run_dir, run.run_id, 0), "evaluate")
     for iteration in range(1, iterations + 1):
