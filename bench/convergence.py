@@ -89,11 +89,13 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--iterations", type=int, default=20)
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="config override applied to every preset (repeatable)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     store = Path(tempfile.mkdtemp(prefix="solrl-convergence-"))
     try:
-        frame = pd.concat([run_one(p, s, args.iterations, store) for p in args.presets for s in args.seeds],
+        frame = pd.concat([run_one(p, s, args.iterations, store, tuple(args.overrides)) for p in args.presets for s in args.seeds],
                           ignore_index=True)
     finally:
         shutil.rmtree(store, ignore_errors=True)
