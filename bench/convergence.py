@@ -94,12 +94,16 @@ def main() -> None:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     store = Path(tempfile.mkdtemp(prefix="solrl-convergence-"))
+    frames = []
     try:
-        frame = pd.concat([run_one(p, s, args.iterations, store, tuple(args.overrides)) for p in args.presets for s in args.seeds],
-                          ignore_index=True)
+        for preset in args.presets:
+            for seed in args.seeds:
+                frames.append(run_one(preset, seed, args.iterations, store, tuple(args.overrides)))
+                # Written after every run, so a long bench that dies keeps what it measured.
+                pd.concat(frames, ignore_index=True).to_csv(args.out / "convergence.csv", index=False)
     finally:
         shutil.rmtree(store, ignore_errors=True)
-    frame.to_csv(args.out / "convergence.csv", index=False)
+    frame = pd.concat(frames, ignore_index=True)
     plot(frame, args.out / "convergence.png")
 
     last = frame[frame.iteration == args.iterations]
