@@ -41,15 +41,19 @@ def stage_task(store: str, run_id: str, iteration: int, stage: str) -> dict:
 
 
 def _run_and_track(store: str, run_id: str, iteration: int, stage: str, tracker: Tracker, retries: int) -> dict:
+    """Run (or skip) a stage, then log its artifacts and metrics to MLflow unless they already are: a process
+    killed between the stage's commit and its logging is caught up on resume. ``seconds/<stage>``, logged in
+    the last batch after the artifacts, marks the stage as logged."""
     result = stage_task.with_options(retries=retries)(store, run_id, iteration, stage)
     manifest = result["manifest"]
-    if not result["skipped"]:
-        tracker.log_metrics({**manifest["metrics"], f"seconds/{stage}": manifest["seconds"]}, step=iteration)
+    timing = f"seconds/{stage}"
+    if not result["skipped"] or not tracker.has_metric(timing, iteration):
         if stage in _ARTIFACTS:
             name, folder = _ARTIFACTS[stage]
             path = stage_dir(tracker.run_dir, iteration, stage) / name
             if path.exists():
                 tracker.log_artifact(path, f"{folder}/iter_{iteration:06d}")
+        tracker.log_metrics({**manifest["metrics"], timing: manifest["seconds"]}, step=iteration)
     return result
 
 

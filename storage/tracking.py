@@ -110,6 +110,7 @@ class Tracker:
             client.log_param(self.mlflow_run_id, "config_hash", run.config_hash)
         self.client = client
         self.experiment_id = experiment_id
+        self._steps: dict[str, set[int]] = {}  # metric key -> steps logged (filled lazily by has_metric)
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         """Log scalar metrics at ``step`` (the iteration)."""
@@ -119,6 +120,17 @@ class Tracker:
         batch = [Metric(key=k, value=float(v), timestamp=now, step=step) for k, v in metrics.items()]
         for i in range(0, len(batch), 900):
             self.client.log_batch(self.mlflow_run_id, metrics=batch[i: i + 900])
+        for key in metrics:
+            if key in self._steps:
+                self._steps[key].add(step)
+
+    def has_metric(self, key: str, step: int) -> bool:
+        """Whether metric ``key`` was logged at ``step`` (a stage's ``seconds/<stage>``, logged last, marks its
+        metrics as logged). Each key's history is read from MLflow once, then kept up to date by
+        ``log_metrics``, so a resume that skips every stage of a long run does not re-read it per stage."""
+        if key not in self._steps:
+            self._steps[key] = {m.step for m in self.client.get_metric_history(self.mlflow_run_id, key)}
+        return step in self._steps[key]
 
     def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
         """Log a file, or every file of a folder, under ``artifact_path``."""

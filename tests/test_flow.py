@@ -58,6 +58,8 @@ def test_two_iteration_campaign_commits_every_stage_logs_mlflow_and_reruns_as_sk
 
     campaign(str(run.run_dir.parent), run.run_id)  # everything committed: a re-run changes nothing
     assert _committed(run.run_dir, 2) == created
+    rerun = client.get_metric_history(mlflow_run.info.run_id, "eval/digit_alignment")
+    assert sorted(m.step for m in rerun) == [0, 1, 2]  # skipped stages are not logged twice
     assert (1, "audit") not in created and (2, "audit") in created  # fidelity.audit_every=2
     assert list_runs(run.run_dir.parent)[0]["iterations_done"] == 2
 
@@ -93,3 +95,25 @@ def test_sigkill_mid_iteration_then_resume_completes_and_skips_committed_stages(
     leftovers = [p for p in run_dir.rglob(".*") if ".tmp-" in p.name or ".trash-" in p.name]
     assert leftovers == []
     assert stage_dir(run_dir, 2, "checkpoint").exists()
+
+
+def test_a_stage_committed_but_never_logged_is_logged_when_resumed(tmp_path: Path):
+    # The process died after the stage's commit and before its MLflow logging: the next run catches up, once.
+    from solrl.flows.sol_rl import _run_and_track
+    from solrl.stages.context import StageContext
+    from solrl.stages.pipeline import run_stage
+    from solrl.storage.runs import open_run
+    from solrl.storage.tracking import Tracker
+
+    run = create_run(tiny_config(tmp_path / "store"), "unlogged")
+    run_stage(StageContext(run.config, run.run_dir, run.run_id, 0, run.config_hash), "evaluate")
+    tracker = Tracker(open_run(run.run_dir.parent, run.run_id))
+    assert not tracker.has_metric("seconds/evaluate", 0)
+    for _ in range(2):
+        result = _run_and_track(str(run.run_dir.parent), run.run_id, 0, "evaluate", tracker, retries=0)
+        assert result["skipped"]
+    history = tracker.client.get_metric_history(tracker.mlflow_run_id, "eval/digit_alignment")
+    assert [m.step for m in history] == [0]
+    assert tracker.has_metric("seconds/evaluate", 0)
+    artifacts = {a.path for a in tracker.client.list_artifacts(tracker.mlflow_run_id, "eval_samples")}
+    assert artifacts == {"eval_samples/iter_000000"}
