@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 #: Explore precisions this release can run (DESIGN section 2). ``bf16`` computes
 #: in bfloat16 autocast on CUDA and float32 on CPU (CPU bf16 matmuls are slow
@@ -36,6 +36,20 @@ class ConfigError(ValueError):
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        """YAML ``true``/``yes`` is not a number: pydantic would read it as 1 (``explore.steps: yes``)."""
+        field = cls.model_fields[info.field_name] if info.field_name else None
+        if field is None or field.annotation is bool or (isinstance(field.annotation, type)
+                                                         and issubclass(field.annotation, BaseModel)):
+            return value
+        items = value.values() if isinstance(value, dict) else value if isinstance(value, list | tuple) else [value]
+        if any(isinstance(item, bool) for item in items):
+            raise ValueError(f"expected a number but got {value!r}: YAML reads true/false/yes/no/on/off as "
+                             f"booleans; write a number (or null where the key allows it)")
+        return value
 
 
 class ModelConfig(_Section):
