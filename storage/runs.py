@@ -49,17 +49,22 @@ def create_run(cfg: RunConfig, run_id: str | None = None) -> Run:
     """Create ``<storage.root>/<run_id>/run.json`` (atomically).
 
     Raises:
-        ConfigError: bad run id, or a run of that id already exists (use ``solrl resume``).
+        ConfigError: bad run id, a run of that id already exists (use ``solrl resume``), or the store cannot be
+            written (read-only, full, or not a folder).
     """
     run_id = check_run_id(run_id or new_run_id(cfg.name))
     run_dir = Path(cfg.storage.root).expanduser().resolve() / run_id
     if (run_dir / RUN_FILE).exists():
         raise ConfigError(f"run {run_id!r} already exists in {run_dir.parent}; continue it with `solrl resume {run_id}`")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(run_dir / RUN_FILE, {
-        "run_id": run_id, "config": cfg.model_dump(mode="json"), "config_hash": cfg.digest(),
-        "solrl_version": __version__, "created": datetime.now(timezone.utc).isoformat(),
-    })
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(run_dir / RUN_FILE, {
+            "run_id": run_id, "config": cfg.model_dump(mode="json"), "config_hash": cfg.digest(),
+            "solrl_version": __version__, "created": datetime.now(timezone.utc).isoformat(),
+        })
+    except OSError as exc:
+        raise ConfigError(f"cannot create run {run_id!r} in {run_dir.parent} ({exc.strerror or exc}); set "
+                          f"storage.root to a writable folder") from None
     return Run(run_id, run_dir, cfg, cfg.digest())
 
 

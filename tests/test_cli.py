@@ -31,6 +31,14 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path: Path, args
     assert not store.exists()
 
 
+def test_a_store_that_cannot_be_written_exits_2(tmp_path: Path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    result = runner.invoke(app, ["run", "--set", f"storage.root={blocker / 'runs'}"])
+    assert result.exit_code == 2, result.output
+    assert "cannot create run" in result.stderr and "set storage.root to a writable folder" in result.stderr
+
+
 def test_malformed_config_file_exits_2(tmp_path: Path):
     path = tmp_path / "bad.yaml"
     path.write_text("explore: [\n")
