@@ -8,6 +8,7 @@ and the independent evaluator) and sample diversity against iteration and agains
 seconds (evaluation excluded), plus the per-stage time split of an iteration.
 
     .venv/bin/python bench/convergence.py --iterations 20 --seeds 0 1 2 --out bench/results
+    .venv/bin/python bench/convergence.py --from-csv bench/results/convergence.csv --out bench/results  # re-render
 """
 
 from __future__ import annotations
@@ -59,28 +60,86 @@ def fmt(values: pd.Series) -> str:
     return f"{values.mean():.3f} +- {values.std():.3f}" if len(values) > 1 else f"{values.mean():.3f}"
 
 
+def stage_split(frame: pd.DataFrame) -> pd.DataFrame:
+    """Mean seconds per iteration of each training stage, one row per preset (the paper's Figure 2)."""
+    split = frame[frame.iteration > 0].groupby("preset", sort=False)[
+        [f"seconds/{s}" for s in TRAIN_STAGES if f"seconds/{s}" in frame]].mean()
+    split.columns = [c.removeprefix("seconds/") for c in split.columns]
+    return split
+
+
 def plot(frame: pd.DataFrame, path: Path) -> None:
+    """Evaluation metrics against iteration (mean +- std over seeds) and against training seconds, and the
+    per-stage time split of an iteration as stacked bars; one PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, len(EVALS), figsize=(5 * len(EVALS), 7))
+    fig = plt.figure(figsize=(5 * len(EVALS), 10.5))
+    grid = fig.add_gridspec(3, len(EVALS))
     for col, metric in enumerate(EVALS):
+        by_iteration, by_seconds = fig.add_subplot(grid[0, col]), fig.add_subplot(grid[1, col])
         for preset, group in frame.groupby("preset", sort=False):
-            by_iter = group.groupby("iteration")[metric].agg(["mean", "std"]).reset_index()
-            line, = axes[0, col].plot(by_iter["iteration"], by_iter["mean"], label=preset)
-            axes[0, col].fill_between(by_iter["iteration"], by_iter["mean"] - by_iter["std"].fillna(0),
-                                      by_iter["mean"] + by_iter["std"].fillna(0), alpha=0.2, color=line.get_color())
-            by_time = group.groupby("iteration")[[metric, "train_seconds"]].mean()
-            axes[1, col].plot(by_time["train_seconds"], by_time[metric], label=preset)
-        axes[0, col].set(title=metric, xlabel="iteration")
-        axes[1, col].set(title=metric, xlabel="training seconds (evaluation excluded)")
-        for ax in axes[:, col]:
+            stats = group.groupby("iteration")[metric].agg(["mean", "std"]).reset_index()
+            line, = by_iteration.plot(stats["iteration"], stats["mean"], label=preset)
+            by_iteration.fill_between(stats["iteration"], stats["mean"] - stats["std"].fillna(0),
+                                      stats["mean"] + stats["std"].fillna(0), alpha=0.2, color=line.get_color())
+            timed = group.groupby("iteration")[[metric, "train_seconds"]].mean()
+            by_seconds.plot(timed["train_seconds"], timed[metric], label=preset)
+        by_iteration.set(title=metric, xlabel="iteration")
+        by_seconds.set(title=metric, xlabel="training seconds (evaluation excluded)")
+        for ax in (by_iteration, by_seconds):
             ax.grid(alpha=0.3)
-    axes[0, 0].legend()
+        if col == 0:
+            by_iteration.legend(fontsize=8)
+    bars = fig.add_subplot(grid[2, :])
+    split = stage_split(frame)
+    left = np.zeros(len(split))
+    for stage in split.columns:
+        bars.barh(split.index, split[stage], left=left, label=stage)
+        left += split[stage].to_numpy(np.float64)
+    bars.invert_yaxis()
+    bars.set(title="seconds per iteration, by stage", xlabel="seconds")
+    bars.legend(ncol=len(split.columns), fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.3))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def seconds_to_reach(group: pd.DataFrame, metric: str, target: float) -> float:
+    """Cumulative training seconds at the first iteration where ``metric`` >= ``target`` (nan if never)."""
+    hit = group[(group.iteration > 0) & (group[metric] >= target)]
+    return float(hit.sort_values("iteration")["train_seconds"].iloc[0]) if len(hit) else float("nan")
+
+
+def report(frame: pd.DataFrame, target: float) -> str:
+    """The markdown tables: final alignment / diversity per preset, time to ``target`` evaluator alignment,
+    and the per-stage time split."""
+    iterations = int(frame.iteration.max())
+    presets = list(dict.fromkeys(frame.preset))
+    seeds = sorted(frame.seed.unique().tolist())
+    last, first = frame[frame.iteration == iterations], frame[frame.iteration == 0]
+    lines = [f"tiny-digits, {iterations} iterations, seeds {seeds}; mean +- std over seeds; machine: "
+             f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}", "",
+             f"| preset | runs | alignment | evaluator | diversity | train s / iteration | train s to evaluator "
+             f">= {target} (runs reaching it) |", "| --- | --- | --- | --- | --- | --- | --- |",
+             f"| start (iteration 0) | {first.seed.nunique()} | {fmt(first[EVALS[0]])} | {fmt(first[EVALS[1]])} | "
+             f"{fmt(first[EVALS[2]])} | | |"]
+    for preset in presets:
+        rows, runs = last[last.preset == preset], frame[frame.preset == preset]
+        per_iter = runs.groupby("seed")["train_seconds"].max() / iterations
+        reach = pd.Series([seconds_to_reach(g, EVALS[1], target) for _, g in runs.groupby("seed")])
+        reached = f"{reach.mean():.0f} ({reach.notna().sum()}/{len(reach)})" if reach.notna().any() else \
+            f"never (0/{len(reach)})"
+        lines.append(f"| {preset} | {len(rows)} | {fmt(rows[EVALS[0]])} | {fmt(rows[EVALS[1]])} | "
+                     f"{fmt(rows[EVALS[2]])} | {per_iter.mean():.2f} | {reached} |")
+    split = stage_split(frame)
+    lines += ["", "Seconds per stage per iteration (mean):", "",
+              "| preset | " + " | ".join(split.columns) + " |", "|" + " --- |" * (len(split.columns) + 1)]
+    for preset, row in split.iterrows():
+        lines.append(f"| {preset} | " + " | ".join(f"{v:.2f}" for v in row.to_numpy(np.float64)) + " |")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -91,44 +150,32 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="config override applied to every preset (repeatable)")
+    parser.add_argument("--target", type=float, default=0.8, help="evaluator alignment for the time-to column")
+    parser.add_argument("--from-csv", type=Path, default=None,
+                        help="re-render the table and plot from a convergence.csv (e.g. of an interrupted bench)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    store = Path(tempfile.mkdtemp(prefix="solrl-convergence-"))
-    frames = []
-    try:
-        for preset in args.presets:
-            for seed in args.seeds:
-                frames.append(run_one(preset, seed, args.iterations, store, tuple(args.overrides)))
-                # Written after every run, so a long bench that dies keeps what it measured.
-                pd.concat(frames, ignore_index=True).to_csv(args.out / "convergence.csv", index=False)
-    finally:
-        shutil.rmtree(store, ignore_errors=True)
-    frame = pd.concat(frames, ignore_index=True)
+    if args.from_csv is not None:
+        frame = pd.read_csv(args.from_csv)
+    else:
+        store = Path(tempfile.mkdtemp(prefix="solrl-convergence-"))
+        frames = []
+        try:
+            for preset in args.presets:
+                for seed in args.seeds:
+                    frames.append(run_one(preset, seed, args.iterations, store, tuple(args.overrides)))
+                    # Written after every run, so a long bench that dies keeps what it measured.
+                    pd.concat(frames, ignore_index=True).to_csv(args.out / "convergence.csv", index=False)
+        finally:
+            shutil.rmtree(store, ignore_errors=True)
+        frame = pd.concat(frames, ignore_index=True)
     plot(frame, args.out / "convergence.png")
-
-    last = frame[frame.iteration == args.iterations]
-    first = frame[frame.iteration == 0]
-    lines = [f"tiny-digits, {args.iterations} iterations, seeds {args.seeds}; mean +- std over seeds; machine: "
-             f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}", "",
-             "| preset | alignment | evaluator | diversity | train s / iteration |", "| --- | --- | --- | --- | --- |"]
-    lines.append(f"| start (iteration 0) | {fmt(first[EVALS[0]])} | {fmt(first[EVALS[1]])} | "
-                 f"{fmt(first[EVALS[2]])} | |")
-    for preset in args.presets:
-        rows, all_rows = last[last.preset == preset], frame[(frame.preset == preset) & (frame.iteration > 0)]
-        per_iter = all_rows.groupby("seed")["train_seconds"].max() / args.iterations
-        lines.append(f"| {preset} | {fmt(rows[EVALS[0]])} | {fmt(rows[EVALS[1]])} | {fmt(rows[EVALS[2]])} | "
-                     f"{per_iter.mean():.2f} |")
-    split = frame[frame.iteration > 0].groupby("preset", sort=False)[
-        [f"seconds/{s}" for s in TRAIN_STAGES if f"seconds/{s}" in frame]].mean()
-    split.columns = [c.removeprefix("seconds/") for c in split.columns]
-    lines += ["", "Seconds per stage per iteration (mean):", "",
-              "| preset | " + " | ".join(split.columns) + " |", "|" + " --- |" * (len(split.columns) + 1)]
-    for preset, row in split.iterrows():
-        lines.append(f"| {preset} | " + " | ".join(f"{v:.2f}" for v in row.to_numpy(np.float64)) + " |")
-    table = "\n".join(lines)
+    table = report(frame, args.target)
     (args.out / "convergence.md").write_text(table + "\n")
     print(table)
-    print(f"\nwrote {args.out / 'convergence.md'}, {args.out / 'convergence.png'}, {args.out / 'convergence.csv'}")
+    written = [args.out / "convergence.md", args.out / "convergence.png"]
+    written += [] if args.from_csv is not None else [args.out / "convergence.csv"]
+    print("\nwrote " + ", ".join(map(str, written)))
 
 
 if __name__ == "__main__":
