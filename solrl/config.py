@@ -260,6 +260,12 @@ class RunConfig(_Section):
         """sha256 of the canonical JSON of the config (``base_dir`` excluded): the config hash."""
         return config_digest(self.model_dump(mode="json"))
 
+    def prompts_digest(self) -> str:
+        """sha256 of the training and evaluation prompt lists the prompt files hold now (a run records it, so
+        files edited after the run started are caught before a resume mixes old and new prompts)."""
+        payload = {"train": self.train_prompts(), "eval": self.eval_prompts()}
+        return hashlib.sha256(json.dumps(payload).encode()).hexdigest()
+
 
 def config_digest(data: dict[str, Any]) -> str:
     """sha256 of a config mapping's canonical JSON, ``base_dir`` excluded (``RunConfig.digest`` of a dump)."""

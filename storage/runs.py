@@ -60,7 +60,7 @@ def create_run(cfg: RunConfig, run_id: str | None = None) -> Run:
         run_dir.mkdir(parents=True, exist_ok=True)
         write_json_atomic(run_dir / RUN_FILE, {
             "run_id": run_id, "config": cfg.model_dump(mode="json"), "config_hash": cfg.digest(),
-            "solrl_version": __version__, "created": datetime.now(timezone.utc).isoformat(),
+            "prompts_sha256": cfg.prompts_digest(), "solrl_version": __version__, "created": datetime.now(timezone.utc).isoformat(),
         })
     except OSError as exc:
         raise ConfigError(f"cannot create run {run_id!r} in {run_dir.parent} ({exc.strerror or exc}); set "
@@ -72,7 +72,8 @@ def open_run(root: str | Path, run_id: str) -> Run:
     """Open an existing run; its config comes from ``run.json``, never from the current presets.
 
     Raises:
-        ConfigError: no such run, or an unreadable ``run.json``.
+        ConfigError: no such run, an unreadable or edited ``run.json``, or prompt files that changed since the
+            run was created.
     """
     run_dir = Path(root).expanduser().resolve() / check_run_id(run_id)
     try:
@@ -87,6 +88,10 @@ def open_run(root: str | Path, run_id: str) -> Run:
     if config_digest(data["config"]) != data.get("config_hash"):
         raise ConfigError(f"{run_dir / RUN_FILE}: config does not match its recorded hash; the file was edited")
     cfg = validate_config(data["config"])
+    if "prompts_sha256" in data and cfg.prompts_digest() != data["prompts_sha256"]:
+        raise ConfigError(f"run {run_id!r}: its prompt files ({cfg.campaign.prompts_file}, "
+                          f"{cfg.campaign.eval_prompts_file}) changed since the run was created, and its committed "
+                          f"stages used the old prompts; restore the files or start a new run")
     return Run(run_id, run_dir, cfg, data["config_hash"])
 
 
