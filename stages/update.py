@@ -153,7 +153,8 @@ def update(ctx: StageContext, out: Path) -> StageOutput:
     (nft: ``d = min(decay_rate * step, decay_max)``; flow_grpo: the rollout policy is the policy, d = 0) and the
     EMA toward the policy. Before the first step it measures how far the rollout is from on-policy
     (``train/on_policy_max_dev``: nft ``max|v_theta - v_old|``, flow_grpo ``max|log_prob - old_log_prob|``).
-    Writes ``trained/`` (adapters, optimizer, rng, state) and ``metrics.parquet`` (one row per step).
+    Writes ``trained/`` (adapters, optimizer, rng, state), ``metrics.parquet`` (one row per step) and, with
+    ``train.advantage_stats=per_prompt``, ``reward_stats.parquet`` (the per-prompt reward buffers).
     """
     tc = ctx.cfg.train
     pool, attrs, prompts, rewards = regenerated_rewards(ctx)
