@@ -60,7 +60,8 @@ def create_run(cfg: RunConfig, run_id: str | None = None) -> Run:
         run_dir.mkdir(parents=True, exist_ok=True)
         write_json_atomic(run_dir / RUN_FILE, {
             "run_id": run_id, "config": cfg.model_dump(mode="json"), "config_hash": cfg.digest(),
-            "prompts_sha256": cfg.prompts_digest(), "solrl_version": __version__, "created": datetime.now(timezone.utc).isoformat(),
+            "prompts_sha256": cfg.prompts_digest(), "solrl_version": __version__,
+            "created": datetime.now(timezone.utc).isoformat(),
         })
     except OSError as exc:
         raise ConfigError(f"cannot create run {run_id!r} in {run_dir.parent} ({exc.strerror or exc}); set "
