@@ -35,6 +35,11 @@ TRAIN_STAGES = ("explore", "score_explore", "select", "regenerate", "score_regen
 EVALS = ("eval/digit_alignment", "eval/digit_evaluator", "eval/diversity")
 
 
+def stage_columns(frame: pd.DataFrame) -> list[str]:
+    """The ``seconds/<stage>`` columns of the training stages present in ``frame``, in run order."""
+    return [f"seconds/{s}" for s in TRAIN_STAGES if f"seconds/{s}" in frame]
+
+
 def run_one(preset: str, seed: int, iterations: int, store: Path, overrides: tuple[str, ...] = ()) -> pd.DataFrame:
     """One run of ``preset`` (plus ``--set`` style ``overrides``) through the stage functions; returns its
     per-iteration metrics with cumulative ``train_seconds``."""
@@ -49,7 +54,7 @@ def run_one(preset: str, seed: int, iterations: int, store: Path, overrides: tup
                 run_stage(ctx, stage.name)
         print(f"  {preset} seed {seed} iteration {iteration}/{iterations}", flush=True)
     frame = collect_metrics(run.run_dir, tuple(s.name for s in ITERATION))
-    seconds = frame[[f"seconds/{s}" for s in TRAIN_STAGES if f"seconds/{s}" in frame]].fillna(0).sum(axis=1)
+    seconds = frame[stage_columns(frame)].fillna(0).sum(axis=1)
     frame["train_seconds"] = seconds.cumsum()
     frame["preset"], frame["seed"] = preset, seed
     return frame
@@ -62,8 +67,7 @@ def fmt(values: pd.Series) -> str:
 
 def stage_split(frame: pd.DataFrame) -> pd.DataFrame:
     """Mean seconds per iteration of each training stage, one row per preset (the paper's Figure 2)."""
-    split = frame[frame.iteration > 0].groupby("preset", sort=False)[
-        [f"seconds/{s}" for s in TRAIN_STAGES if f"seconds/{s}" in frame]].mean()
+    split = frame[frame.iteration > 0].groupby("preset", sort=False)[stage_columns(frame)].mean()
     split.columns = [c.removeprefix("seconds/") for c in split.columns]
     return split
 
