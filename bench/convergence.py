@@ -26,7 +26,7 @@ import torch
 
 from solrl.config import load_config
 from solrl.stages.context import StageContext
-from solrl.stages.pipeline import ITERATION, run_stage, stage_due
+from solrl.stages.pipeline import ITERATION, campaign_plan, run_stage
 from solrl.storage.report import collect_metrics
 from solrl.storage.runs import create_run
 
@@ -46,12 +46,10 @@ def run_one(preset: str, seed: int, iterations: int, store: Path, overrides: tup
     cfg = load_config(preset, [f"campaign.seed={seed}", f"campaign.iterations={iterations}",
                                f"storage.root={store}", "fidelity.audit_every=0", *overrides])
     run = create_run(cfg, f"{preset}-seed{seed}")
-    run_stage(StageContext(cfg, run.run_dir, run.run_id, 0), "evaluate")
-    for iteration in range(1, iterations + 1):
+    for iteration, stages in campaign_plan(cfg):
         ctx = StageContext(cfg, run.run_dir, run.run_id, iteration)
-        for stage in ITERATION:
-            if stage_due(cfg, stage.name, iteration):
-                run_stage(ctx, stage.name)
+        for stage in stages:
+            run_stage(ctx, stage)
         print(f"  {preset} seed {seed} iteration {iteration}/{iterations}", flush=True)
     frame = collect_metrics(run.run_dir, tuple(s.name for s in ITERATION))
     seconds = frame[stage_columns(frame)].fillna(0).sum(axis=1)

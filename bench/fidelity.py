@@ -22,10 +22,11 @@ import torch
 
 from solrl.config import load_config
 from solrl.stages.context import StageContext
-from solrl.stages.fidelity import pool_agreement
+from solrl.stages.metrics.fidelity import pool_agreement
 from solrl.stages.rewards import build_reward
-from solrl.stages.rollout import generate, rollout_network
-from solrl.stages.sampling import derive_seed
+from solrl.stages.sampling.rollout import generate
+from solrl.stages.quant.backends import rollout_network
+from solrl.stages.sampling.samplers import derive_seed
 
 
 def main() -> None:

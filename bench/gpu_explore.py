@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from diffusers import SanaTransformer2DModel
 
-from solrl.hardware import runnable_precisions, unavailable_reason
+from solrl.stages.quant.availability import runnable_precisions, unavailable_reason
 from solrl.stages.quant import quantize_model_
 
 SANA_SKIP = ("patch_embed", "time_embed", "caption_projection", "proj_out", "norm", "attn1.to_q", "attn1.to_k",

@@ -13,7 +13,8 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from solrl.stages.context import StageContext
-from solrl.stages.pipeline import ITERATION, run_stage, stage_due
+from solrl.stages.pipeline import campaign_plan, run_stage
+from solrl.stages.runnable import check_runnable
 from solrl.storage.runs import open_run, run_lock
 from solrl.storage.stage import stage_dir
 from solrl.storage.tracking import Tracker
@@ -58,36 +59,41 @@ def _run_and_track(store: str, run_id: str, iteration: int, stage: str, tracker:
 
 
 @flow(name="sol-rl-iteration", flow_run_name="{run_id}-iter{iteration}")
-def sol_rl_iteration(store: str, run_id: str, iteration: int) -> dict[str, float]:
-    """One Sol-RL iteration: explore -> score -> select -> regenerate -> score -> update -> checkpoint -> evaluate.
+def sol_rl_iteration(store: str, run_id: str, iteration: int, stages: list[str]) -> dict[str, float]:
+    """One Sol-RL iteration: its due ``stages`` in order (explore -> score -> select -> regenerate -> score ->
+    [audit] -> update -> checkpoint -> [evaluate]).
 
-    Returns the metrics of the stages that ran (skipped stages contribute their recorded metrics too).
+    Returns the metrics of the stages (skipped stages contribute their recorded metrics too).
     """
     run = open_run(store, run_id)
     tracker = Tracker(run)
     retries = run.config.campaign.stage_retries
     metrics: dict[str, float] = {}
-    for stage in ITERATION:
-        if not stage_due(run.config, stage.name, iteration):
-            continue
-        result = _run_and_track(store, run_id, iteration, stage.name, tracker, retries)
+    for stage in stages:
+        result = _run_and_track(store, run_id, iteration, stage, tracker, retries)
         metrics.update(result["manifest"]["metrics"])
     return metrics
 
 
 @flow(name="sol-rl-campaign", flow_run_name="{run_id}")
 def campaign(store: str, run_id: str) -> dict[str, float]:
-    """All iterations of a run, after evaluating the starting policy (iteration 0). Resumable: run it again
-    and committed stages are skipped. Holds the run's lock so two processes never write one run."""
+    """All iterations of a run, after evaluating the starting policy (iteration 0), in the order of
+    ``campaign_plan``. Resumable: run it again and committed stages are skipped. Checks first that this machine
+    can run the config (``check_runnable``: ConfigError otherwise), and holds the run's lock so two processes
+    never write one run."""
     run = open_run(store, run_id)
+    check_runnable(run.config, run.prompts_sha256)
     logger = get_run_logger()
+    (_, start), *iterations = campaign_plan(run.config)
     with run_lock(run.run_dir):
         tracker = Tracker(run)
-        final = _run_and_track(store, run_id, 0, "evaluate", tracker, run.config.campaign.stage_retries)
-        metrics = dict(final["manifest"]["metrics"])
+        metrics: dict[str, float] = {}
+        for stage in start:
+            metrics |= _run_and_track(store, run_id, 0, stage, tracker, run.config.campaign.stage_retries)[
+                "manifest"]["metrics"]
         try:
-            for iteration in range(1, run.config.campaign.iterations + 1):
-                metrics = sol_rl_iteration(store, run_id, iteration)
+            for iteration, stages in iterations:
+                metrics = sol_rl_iteration(store, run_id, iteration, stages)
                 shown = {k: round(v, 4) for k, v in metrics.items() if k.startswith(("eval/", "regenerate/reward_m"))}
                 logger.info("iteration %d/%d done: %s", iteration, run.config.campaign.iterations, shown)
         except BaseException:

@@ -72,8 +72,10 @@ def run(
     """Start a new campaign from a preset (default tiny-digits)."""
     try:
         cfg = load_config(config, set_ or [])
+        from solrl.stages.runnable import check_runnable
         from solrl.storage.runs import create_run
 
+        check_runnable(cfg)
         created = create_run(cfg, run_id)
     except ConfigError as exc:
         _fail(str(exc))
@@ -86,9 +88,11 @@ def run(
 def resume(run_id: Annotated[str, typer.Argument(help="The run to continue.")], store: StoreOption = "runs") -> None:
     """Continue a run: committed stages are skipped, the first stage without a manifest runs next."""
     try:
+        from solrl.stages.runnable import check_runnable
         from solrl.storage.runs import open_run
 
         run_ = open_run(store, run_id)
+        check_runnable(run_.config, run_.prompts_sha256)
     except ConfigError as exc:
         _fail(str(exc))
     from solrl.stages.context import StageContext

@@ -2,9 +2,15 @@
 
 A run is described by a YAML preset (``configs/*.yaml``) plus ``--set
 section.key=value`` overrides. Unknown keys are an error, and cross-field rules
-(``k`` even and ``<= pool_size``, readable prompt files, ...) are checked here,
-at load, with messages that name the value and the fix. Runtime objects
-(models, devices, generators) are built *from* the config, never stored in it.
+(``k`` even and ``<= pool_size``, ...) are checked here, at load, with messages
+that name the value and the fix. Model family, rewards, explore precision and
+loss are names of registered plug-ins (``solrl.registry``), each of which checks
+its own rules. The schema is pure: it says what a valid config is on any
+machine. Whether this machine can run it (CUDA, Transformer Engine, weights and
+prompt files present) is checked where work starts
+(``solrl.stages.runnable.check_runnable``), so any machine can list, inspect and
+report any run. Runtime objects (models, devices, generators) are built *from*
+the config, never stored in it.
 """
 
 from __future__ import annotations
@@ -18,16 +24,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-#: Explore precisions this release can run (DESIGN section 2). ``bf16`` computes
-#: in bfloat16 autocast on CUDA and float32 on CPU (CPU bf16 matmuls are slow
-#: and not what a GPU user runs); ``*_emulated`` fake-quantize W4A4 (NVFP4) or
-#: W8A8 (per-tensor FP8 E4M3) anywhere, for fidelity and ablations, not speed;
-#: ``nvfp4`` (Blackwell) and ``fp8`` (Ada/Hopper/Blackwell) run Transformer
-#: Engine and are checked against the machine at load (``solrl.hardware``).
-ExplorePrecision = Literal["bf16", "nvfp4_emulated", "fp8_emulated", "nvfp4", "fp8"]
 SelectStrategy = Literal["best_worst", "top_k", "random"]
-#: Rewards solrl implements (``solrl.stages.rewards.build_reward`` builds each).
-RewardName = Literal["digit_alignment", "digit_evaluator", "jpeg_compressibility"]
 
 
 class ConfigError(ValueError):
@@ -55,8 +52,8 @@ class _Section(BaseModel):
 class ModelConfig(_Section):
     """Which model family the policy is, where its weights are, and its LoRA."""
 
-    family: Literal["tiny-digits"] = Field(
-        "tiny-digits", description="Model adapter (DESIGN 5). tiny-digits: the CPU model shipped with solrl."
+    family: str = Field(
+        "tiny-digits", description="Registered model family (DESIGN 5). tiny-digits: the CPU model shipped with solrl."
     )
     path: str | None = Field(
         None, description="Local weights folder (or hub id where the user has it); null = weights shipped with solrl."
@@ -70,7 +67,10 @@ class ModelConfig(_Section):
 class ExploreConfig(_Section):
     """Step 1: sample the candidate pool with the low-precision rollout copy."""
 
-    precision: ExplorePrecision = Field("nvfp4_emulated", description="Precision of the explore copy.")
+    precision: str = Field(
+        "nvfp4_emulated", description="Registered explore backend: bf16 (float32 on CPU), nvfp4_emulated, "
+        "fp8_emulated (fake quantization anywhere), nvfp4 (Blackwell), fp8 (Ada/Hopper/Blackwell)."
+    )
     steps: int = Field(6, ge=1, description="Euler ODE steps for explore sampling.")
     pool_size: int = Field(32, ge=2, description="Candidates (seeds) per prompt.")
     batch_size: int = Field(256, ge=1, description="Samples per forward pass.")
@@ -103,7 +103,7 @@ class RegenerateConfig(_Section):
 class TrainConfig(_Section):
     """Step 6: the policy update (DiffusionNFT loss, DESIGN 1)."""
 
-    loss: Literal["nft", "flow_grpo"] = Field(
+    loss: str = Field(
         "nft", description="nft: DiffusionNFT on ODE rollouts (Sol-RL); flow_grpo: PPO-clipped SDE log-probs."
     )
     clip_range: float = Field(1e-4, gt=0, description="flow_grpo: PPO ratio clip epsilon.")
@@ -132,10 +132,10 @@ class TrainConfig(_Section):
 class RewardConfig(_Section):
     """Training reward (weighted sum) and the rewards evaluation reports."""
 
-    weights: dict[RewardName, float] = Field(
+    weights: dict[str, float] = Field(
         default_factory=lambda: {"digit_alignment": 1.0}, description="reward name -> weight"
     )
-    evaluate: list[RewardName] = Field(
+    evaluate: list[str] = Field(
         default_factory=lambda: ["digit_alignment", "digit_evaluator", "jpeg_compressibility"],
         description="Rewards logged on the held-out evaluation samples.",
     )
@@ -202,36 +202,27 @@ class RunConfig(_Section):
             raise ValueError(f"train.stat_min_count={self.train.stat_min_count} exceeds train.stat_buffer="
                              f"{self.train.stat_buffer}, so the per-prompt statistics would never be used; set "
                              f"train.stat_min_count <= {self.train.stat_buffer}")
-        if self.model.device == "cuda":
-            import torch
-
-            if not torch.cuda.is_available():
-                raise ValueError("model.device=cuda but torch sees no CUDA device; set model.device=cpu or auto")
-        if self.model.path is not None and not (Path(self.model.path).expanduser() / "transformer").is_dir():
-            raise ValueError(f"model.path={self.model.path!r} has no transformer/ folder; give the folder written by "
-                             f"`solrl pretrain-tiny-digits --out`, or null for the shipped weights")
         k, pool = self.select.k, self.explore.pool_size
         if k % 2 and self.select.strategy == "best_worst":
             raise ValueError(f"select.k={k} must be even for best_worst (k/2 best + k/2 worst); set select.k={k + 1}")
         if k > pool:
             raise ValueError(f"select.k={k} exceeds explore.pool_size={pool}; set select.k <= {pool} or raise pool_size")
-        if self.train.loss == "flow_grpo":
-            if self.regenerate.noise_level <= 0:
-                raise ValueError("train.loss=flow_grpo needs an SDE sampler but regenerate.noise_level=0 samples "
-                                 "with the ODE only; set regenerate.noise_level=0.7 (Flow-GRPO) or use train.loss=nft")
-            if not self.regenerate.enabled and self.explore.steps != self.regenerate.steps:
-                raise ValueError(f"train.loss=flow_grpo with regenerate.enabled=false trains on the explore "
-                                 f"trajectories, so explore.steps={self.explore.steps} must equal "
-                                 f"regenerate.steps={self.regenerate.steps}")
         window = self.regenerate.sde_window
         if window is not None and not 0 <= window[0] < window[1] <= self.regenerate.steps - 1:
             raise ValueError(f"regenerate.sde_window={list(window)} must satisfy 0 <= start < end <= "
                              f"regenerate.steps - 1 = {self.regenerate.steps - 1} (the last step is ODE)")
-        from solrl.hardware import check_precision
-
-        check_precision(self.explore.precision)
         if not self.reward.weights:
             raise ValueError("reward.weights is empty; give at least one reward, e.g. {digit_alignment: 1.0}")
+        # Plug-in names, then each plug-in's own rules (pure: nothing here looks at the machine).
+        from solrl.registry import EXPLORE_BACKENDS, LOSSES, MODELS, REWARDS
+
+        _registered(MODELS, self.model.family, "model.family").validate_config(self)
+        _registered(EXPLORE_BACKENDS, self.explore.precision, "explore.precision")
+        _registered(LOSSES, self.train.loss, "train.loss").validate_config(self)
+        for name in self.reward.weights:
+            _registered(REWARDS, name, "reward.weights")
+        for name in self.reward.evaluate:
+            _registered(REWARDS, name, "reward.evaluate")
         return self
 
     # -- derived values (never mutated: computed from the config) --------------
@@ -246,9 +237,11 @@ class RunConfig(_Section):
         return shipped if not local.exists() and shipped.exists() else local
 
     def sde_noise_level(self) -> float:
-        """The SDE noise level rollouts sample with: ``regenerate.noise_level`` for flow_grpo, else 0 (the ODE;
-        DiffusionNFT is solver-agnostic and Sol-RL samples with the deterministic ODE)."""
-        return self.regenerate.noise_level if self.train.loss == "flow_grpo" else 0.0
+        """The SDE noise level rollouts sample with, as the loss asks: ``regenerate.noise_level`` for
+        flow_grpo, 0 for nft (the ODE; DiffusionNFT is solver-agnostic and Sol-RL samples with the ODE)."""
+        from solrl.registry import LOSSES
+
+        return LOSSES.get(self.train.loss).noise_level(self)
 
     def train_prompts(self) -> list[str]:
         return read_prompts(self.resolve(self.campaign.prompts_file), "campaign.prompts_file")
@@ -265,6 +258,13 @@ class RunConfig(_Section):
         files edited after the run started are caught before a resume mixes old and new prompts)."""
         payload = {"train": self.train_prompts(), "eval": self.eval_prompts()}
         return hashlib.sha256(json.dumps(payload).encode()).hexdigest()
+
+
+def _registered(registry: Any, name: str, field: str) -> Any:
+    """The plug-in ``name`` of ``registry``; ValueError naming the field and the registered names."""
+    if name not in registry:
+        raise ValueError(f"{field}: unknown {registry.kind} {name!r}; registered: {', '.join(registry.names())}")
+    return registry.get(name)
 
 
 def config_digest(data: dict[str, Any]) -> str:
@@ -390,17 +390,4 @@ def validate_config(data: dict[str, Any]) -> RunConfig:
         cfg = RunConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(_format_validation_error(exc)) from None
-    # Prompt files must be readable now, and usable by the rewards, not half way through a run.
-    rewards = {*cfg.reward.weights, *cfg.reward.evaluate}
-    for field, prompts in (("campaign.prompts_file", cfg.train_prompts()),
-                           ("campaign.eval_prompts_file", cfg.eval_prompts())):
-        if rewards & {"digit_alignment", "digit_evaluator"}:
-            from solrl.stages.models.tiny_digits import prompt_digit  # the digit rewards' own parser
-
-            for prompt in prompts:
-                try:
-                    prompt_digit(prompt)
-                except ValueError:
-                    raise ConfigError(f"{field}: prompt {prompt!r} names no digit, which the digit rewards need; "
-                                      f"name one (zero..nine or 0..9) or use other rewards") from None
     return cfg

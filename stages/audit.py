@@ -13,44 +13,40 @@ import numpy as np
 import pandas as pd
 
 from solrl.stages.context import StageContext
-from solrl.stages.fidelity import pool_agreement
-from solrl.stages.rollout import generate, rollout_network
-from solrl.stages.score import REWARDS, score_images, total_rewards
-from solrl.stages.selection import pool_ranks
-from solrl.storage.arrays import read_arrays
-from solrl.storage.stage import StageOutput, require
-from solrl.storage.tables import read_table, write_table
-
-POOL = "pool.parquet"
+from solrl.stages.metrics.fidelity import pool_agreement
+from solrl.stages.metrics.selection import pool_ranks
+from solrl.stages.quant.backends import rollout_network
+from solrl.stages.sampling.rollout import generate
+from solrl.stages.score import score_images
+from solrl.storage.artifacts import AuditPool, CandidatePool, ExploreRewards, StartingPolicy
+from solrl.storage.stage import StageOutput
 
 
-def audit(ctx: StageContext, out: Path) -> StageOutput:
+def audit(ctx: StageContext, out: Path, pool: CandidatePool, scores: ExploreRewards,
+          start: StartingPolicy | None) -> StageOutput:
     """Regenerate every candidate of the first ``fidelity.audit_prompts`` pools with the BF16 rollout policy at
     ``regenerate.steps``, score them, and compare with the explore rewards.
 
-    Writes ``pool.parquet``: group, prompt, candidate_index, seed, explore_reward, bf16_reward, explore_rank,
+    Writes ``AuditPool``: group, prompt, candidate_index, seed, explore_reward, bf16_reward, explore_rank,
     bf16_rank (1 = best).
     """
-    explore_dir, _ = require(ctx.run_dir, ctx.iteration, "explore")
-    score_dir, _ = require(ctx.run_dir, ctx.iteration, "score_explore")
-    pool, attrs = read_arrays(explore_dir / "candidates.zarr")
-    P, N = pool["seeds"].shape
+    P, N = pool.seeds.shape
     A = min(ctx.cfg.fidelity.audit_prompts, P)
-    explore = total_rewards(read_table(score_dir / REWARDS), np.broadcast_to(np.arange(N), (P, N)))[:A]
-    prompts = [attrs["prompts"][p] for p in range(A) for _ in range(N)]
-    policy, _, _ = ctx.load_policy()
+    explore = scores.totals(np.broadcast_to(np.arange(N), (P, N)))[:A]
+    prompts = [pool.prompts[p] for p in range(A) for _ in range(N)]
+    policy = ctx.load_policy(start)
     with rollout_network(policy, "bf16") as net:
-        samples = generate(policy.model, net, prompts, pool["seeds"][:A].reshape(-1).tolist(),
+        samples = generate(policy.model, net, prompts, pool.seeds[:A].reshape(-1).tolist(),
                            ctx.cfg.regenerate.steps, ctx.cfg.regenerate.batch_size, desc="audit bf16",
                            noise_level=ctx.cfg.sde_noise_level(), sde_window=ctx.cfg.regenerate.sde_window).samples
     values = score_images(ctx, policy.model.decode(samples), prompts, ctx.cfg.reward.weights)
     bf16 = sum(v * ctx.cfg.reward.weights[name] for name, v in values.items()).reshape(A, N)
-    write_table(out / POOL, pd.DataFrame({
+    AuditPool(pd.DataFrame({
         "group": np.repeat(np.arange(A), N), "prompt": prompts, "candidate_index": np.tile(np.arange(N), A),
-        "seed": pool["seeds"][:A].reshape(-1), "explore_reward": explore.reshape(-1),
+        "seed": pool.seeds[:A].reshape(-1), "explore_reward": explore.reshape(-1),
         "bf16_reward": bf16.reshape(-1).astype(np.float32),
         "explore_rank": pool_ranks(explore).reshape(-1), "bf16_rank": pool_ranks(bf16).reshape(-1),
-    }))
+    })).write(out)
     agreement = pool_agreement(explore, bf16, ctx.cfg.select.k)
     return StageOutput(metrics={f"audit/{key}": value for key, value in agreement.items()},
-                       info={"prompts": A, "pool_size": N, "precision": attrs["precision"]})
+                       info={"prompts": A, "pool_size": N, "precision": pool.attrs["precision"]})

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -13,10 +11,9 @@ import torch
 
 from solrl.config import RunConfig
 from solrl.stages.models import load_model, resolve_device
-from solrl.stages.policy import ADAPTERS, Policy
-from solrl.stages.sampling import derive_seed
-from solrl.storage.checkpoints import load_checkpoint
-from solrl.storage.stage import require
+from solrl.stages.models.policy import ADAPTERS, Policy
+from solrl.stages.sampling.samplers import derive_seed
+from solrl.storage.artifacts import Checkpoint
 
 
 #: The loaded policy of this process, keyed by (model config, run seed, device).
@@ -58,24 +55,12 @@ class StageContext:
         index = rng.choice(len(prompts), size=count, replace=count > len(prompts)).astype(np.int64)
         return index, [prompts[i] for i in index]
 
-    def checkpoint_dir(self, iteration: int | None = None) -> Path | None:
-        """The committed checkpoint this iteration starts from (None at iteration 1: the base model)."""
-        previous = self.iteration - 1 if iteration is None else iteration
-        if previous < 1:
-            return None
-        directory, _ = require(self.run_dir, previous, "checkpoint")
-        return directory
-
-    def load_policy(self, checkpoint: Path | None = None, *, resume: bool = True
-                    ) -> tuple[Policy, dict[str, dict[str, torch.Tensor]], dict]:
-        """The model with policy/rollout/EMA adapters as of ``checkpoint`` (default: the previous iteration's).
+    def load_policy(self, checkpoint: Checkpoint | None) -> Policy:
+        """The model with policy/rollout/EMA adapters as of ``checkpoint`` (None: the base model's fresh LoRA).
 
         The model is loaded once per process and kept (for a SANA-size model, loading dominates a stage);
         every call sets all three adapters from the checkpoint (or the fresh LoRA init), so no state leaks
         from one stage to the next, and the quantized explore copy is then synced in place.
-
-        Returns:
-            (policy, checkpoint sections, checkpoint state); empty sections and state for the base model.
         """
         key = (self.cfg.model.model_dump_json(), self.cfg.campaign.seed, str(self.device))
         policy = _POLICIES.get(key)
@@ -84,20 +69,6 @@ class StageContext:
             model = load_model(self.cfg.model, self.device)
             policy = _POLICIES[key] = Policy(model, self.cfg.model.lora_rank, self.cfg.model.lora_alpha,
                                              seed=derive_seed(self.cfg.campaign.seed, "lora-init"))
-        checkpoint = checkpoint if checkpoint is not None else (self.checkpoint_dir() if resume else None)
-        if checkpoint is None:
-            for name in ADAPTERS:
-                policy.load_state_dict(name, policy.initial_state)
-            return policy, {}, {}
-        sections, state = load_checkpoint(checkpoint)
         for name in ADAPTERS:
-            policy.load_state_dict(name, sections[name])
-        return policy, sections, state
-
-
-@contextmanager
-def compute_precision(device: torch.device) -> Iterator[None]:
-    """bf16 autocast on CUDA (BF16 train); float32 on CPU, where bf16 matmuls are slow and not the target."""
-    ctx = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
-    with ctx:
-        yield
+            policy.load_state_dict(name, checkpoint.sections[name] if checkpoint else policy.initial_state)
+        return policy

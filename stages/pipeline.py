@@ -1,20 +1,27 @@
-"""The Sol-RL iteration as an ordered table of stages, and how one stage is run or skipped.
+"""The Sol-RL iteration as an ordered table of stages, the campaign plan, and how one stage is run or skipped.
 
-No Prefect here: ``solrl.flows`` wraps ``run_stage`` in tasks. Each stage's inputs hash covers the run id,
-iteration, stage, config hash and the digests of the manifests it reads, so a re-run skips exactly the stages
-whose committed output still matches their inputs, and redoes everything downstream of a change.
+No Prefect here: ``solrl.flows`` wraps ``run_stage`` in tasks. A stage function's signature is
+``fn(ctx, out, *inputs) -> StageOutput``; the types of its inputs are typed artifacts
+(``solrl.storage.artifacts``), which say where each input lives. ``run_stage`` reads them and passes them in,
+and the stage's inputs hash covers the run id, iteration, stage, config hash and the digests of exactly those
+artifacts' manifests, so a re-run skips the stages whose committed output still matches their inputs and
+redoes everything downstream of a change.
 """
 
 from __future__ import annotations
 
+import inspect
 import shutil
+import types
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import cached_property
 from pathlib import Path
 
+from solrl.config import RunConfig
 from solrl.stages.audit import audit
 from solrl.stages.checkpoint import checkpoint
-from solrl.config import RunConfig
 from solrl.stages.context import StageContext
 from solrl.stages.evaluate import evaluate
 from solrl.stages.explore import explore
@@ -22,27 +29,47 @@ from solrl.stages.regenerate import regenerate
 from solrl.stages.score import score_explore, score_regenerate
 from solrl.stages.select import select
 from solrl.stages.update import update
+from solrl.storage.artifacts import Artifact
 from solrl.storage.stage import StageManifest, StageOutput, inputs_hash, iteration_dir, read_manifest, run_or_skip
+
+
+def _artifact_type(annotation: object) -> type[Artifact] | None:
+    """``CandidatePool`` or ``StartingPolicy | None`` -> the artifact class; anything else -> None."""
+    candidates = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+    found = [c for c in candidates if isinstance(c, type) and issubclass(c, Artifact)]
+    return found[0] if found else None
 
 
 @dataclass(frozen=True)
 class Stage:
+    """One stage: its name and function; what it reads is the function's typed parameters."""
+
     name: str
-    fn: Callable[[StageContext, Path], StageOutput]
-    reads: tuple[str, ...]  # stages of the same iteration whose outputs it reads
-    reads_policy: bool  # reads the previous iteration's checkpoint (the policy it starts from)
+    fn: Callable[..., StageOutput]
+
+    @cached_property
+    def reads(self) -> tuple[type[Artifact], ...]:
+        """The artifact types of ``fn``'s parameters after ``(ctx, out)``, in order."""
+        hints = typing.get_type_hints(self.fn)
+        reads = []
+        for param in list(inspect.signature(self.fn).parameters)[2:]:
+            artifact = _artifact_type(hints.get(param))
+            if artifact is None:
+                raise TypeError(f"stage {self.name}: parameter {param!r} is not annotated with a typed artifact")
+            reads.append(artifact)
+        return tuple(reads)
 
 
 ITERATION: tuple[Stage, ...] = (
-    Stage("explore", explore, (), True),
-    Stage("score_explore", score_explore, ("explore",), False),
-    Stage("select", select, ("explore", "score_explore"), False),
-    Stage("regenerate", regenerate, ("explore", "select"), True),
-    Stage("score_regenerate", score_regenerate, ("regenerate", "select"), False),
-    Stage("audit", audit, ("explore", "score_explore"), True),
-    Stage("update", update, ("regenerate", "score_regenerate"), True),
-    Stage("checkpoint", checkpoint, ("update",), False),
-    Stage("evaluate", evaluate, ("checkpoint",), False),
+    Stage("explore", explore),
+    Stage("score_explore", score_explore),
+    Stage("select", select),
+    Stage("regenerate", regenerate),
+    Stage("score_regenerate", score_regenerate),
+    Stage("audit", audit),
+    Stage("update", update),
+    Stage("checkpoint", checkpoint),
+    Stage("evaluate", evaluate),
 )
 STAGES = {stage.name: stage for stage in ITERATION}
 
@@ -57,13 +84,23 @@ def stage_due(cfg: RunConfig, name: str, iteration: int) -> bool:
     return True
 
 
+def campaign_plan(cfg: RunConfig) -> list[tuple[int, list[str]]]:
+    """The whole campaign in run order: ``[(0, ["evaluate"]), (1, [stages due at 1]), ...]``; iteration 0 is
+    the evaluation of the starting policy. The one place the order of a campaign is written."""
+    plan = [(0, ["evaluate"])]
+    for iteration in range(1, cfg.campaign.iterations + 1):
+        plan.append((iteration, [s.name for s in ITERATION if stage_due(cfg, s.name, iteration)]))
+    return plan
+
+
+def _upstream_key(artifact: type[Artifact]) -> str:
+    return artifact.stage if artifact.offset == 0 else f"{artifact.stage}[{artifact.offset:+d}]"
+
+
 def stage_key(ctx: StageContext, stage: Stage) -> str:
     """The inputs hash of ``stage`` at ``ctx.iteration`` (see module doc)."""
-    upstream: dict[str, StageManifest | None] = {name: read_manifest(ctx.run_dir, ctx.iteration, name)
-                                                 for name in stage.reads}
-    if stage.reads_policy or stage.name == "evaluate":
-        previous = ctx.iteration - 1 if stage.name != "evaluate" else ctx.iteration
-        upstream["policy"] = read_manifest(ctx.run_dir, previous, "checkpoint") if previous >= 1 else None
+    upstream: dict[str, StageManifest | None] = {
+        _upstream_key(artifact): artifact.manifest(ctx.run_dir, ctx.iteration) for artifact in stage.reads}
     return inputs_hash(ctx.run_id, ctx.iteration, stage.name, ctx.config_key, upstream)
 
 
@@ -81,23 +118,25 @@ def run_stage(ctx: StageContext, name: str) -> tuple[StageManifest, bool]:
         (manifest, skipped).
 
     Raises:
-        KeyError: unknown stage. StageNotCommitted: an upstream stage has no valid manifest.
+        KeyError: unknown stage. StageNotCommitted: an input's stage has no valid manifest.
     """
     stage = STAGES[name]
     clean_stale(ctx, name)
-    return run_or_skip(ctx.run_dir, ctx.run_id, ctx.iteration, name, stage_key(ctx, stage),
-                       lambda out: stage.fn(ctx, out))
+
+    def write(out: Path) -> StageOutput:
+        inputs = [artifact.load(ctx.run_dir, ctx.iteration) for artifact in stage.reads]
+        return stage.fn(ctx, out, *inputs)
+
+    return run_or_skip(ctx.run_dir, ctx.run_id, ctx.iteration, name, stage_key(ctx, stage), write)
 
 
 def first_pending(ctx0: StageContext) -> tuple[int, str] | None:
-    """The first (iteration, stage) of the campaign whose committed output is missing or stale, in run order
-    (the starting evaluation, then each iteration's due stages); None when the whole campaign is committed.
-    ``ctx0`` is the run's context at iteration 0."""
-    plan = [(0, "evaluate")] + [(i, s.name) for i in range(1, ctx0.cfg.campaign.iterations + 1) for s in ITERATION
-                                if stage_due(ctx0.cfg, s.name, i)]
-    for iteration, name in plan:
+    """The first (iteration, stage) of the campaign plan whose committed output is missing or stale; None when
+    the whole campaign is committed. ``ctx0`` is the run's context at iteration 0."""
+    for iteration, names in campaign_plan(ctx0.cfg):
         ctx = replace(ctx0, iteration=iteration)
-        manifest = read_manifest(ctx.run_dir, iteration, name)
-        if manifest is None or manifest.inputs_hash != stage_key(ctx, STAGES[name]):
-            return iteration, name
+        for name in names:
+            manifest = read_manifest(ctx.run_dir, iteration, name)
+            if manifest is None or manifest.inputs_hash != stage_key(ctx, STAGES[name]):
+                return iteration, name
     return None

@@ -31,6 +31,8 @@ class Run:
     #: The hash recorded at creation: stage cache keys use it, so a solrl upgrade that adds config fields
     #: with defaults does not invalidate the stages a run already committed.
     config_hash: str
+    #: sha256 of the prompt lists at creation (``RunConfig.prompts_digest``); None for runs made before it.
+    prompts_sha256: str | None = None
 
 
 def new_run_id(name: str) -> str:
@@ -56,25 +58,27 @@ def create_run(cfg: RunConfig, run_id: str | None = None) -> Run:
     run_dir = Path(cfg.storage.root).expanduser().resolve() / run_id
     if (run_dir / RUN_FILE).exists():
         raise ConfigError(f"run {run_id!r} already exists in {run_dir.parent}; continue it with `solrl resume {run_id}`")
+    prompts = cfg.prompts_digest()
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         write_json_atomic(run_dir / RUN_FILE, {
             "run_id": run_id, "config": cfg.model_dump(mode="json"), "config_hash": cfg.digest(),
-            "prompts_sha256": cfg.prompts_digest(), "solrl_version": __version__,
+            "prompts_sha256": prompts, "solrl_version": __version__,
             "created": datetime.now(timezone.utc).isoformat(),
         })
     except OSError as exc:
         raise ConfigError(f"cannot create run {run_id!r} in {run_dir.parent} ({exc.strerror or exc}); set "
                           f"storage.root to a writable folder") from None
-    return Run(run_id, run_dir, cfg, cfg.digest())
+    return Run(run_id, run_dir, cfg, cfg.digest(), prompts)
 
 
 def open_run(root: str | Path, run_id: str) -> Run:
-    """Open an existing run; its config comes from ``run.json``, never from the current presets.
+    """Open an existing run; its config comes from ``run.json``, never from the current presets. Reads nothing
+    else and checks nothing about this machine, so any machine can list, inspect and report any run (whether
+    it can also *continue* the run is ``solrl.stages.runnable.check_runnable``).
 
     Raises:
-        ConfigError: no such run, an unreadable or edited ``run.json``, or prompt files that changed since the
-            run was created.
+        ConfigError: no such run, or an unreadable or edited ``run.json``.
     """
     run_dir = Path(root).expanduser().resolve() / check_run_id(run_id)
     try:
@@ -89,11 +93,7 @@ def open_run(root: str | Path, run_id: str) -> Run:
     if config_digest(data["config"]) != data.get("config_hash"):
         raise ConfigError(f"{run_dir / RUN_FILE}: config does not match its recorded hash; the file was edited")
     cfg = validate_config(data["config"])
-    if "prompts_sha256" in data and cfg.prompts_digest() != data["prompts_sha256"]:
-        raise ConfigError(f"run {run_id!r}: its prompt files ({cfg.campaign.prompts_file}, "
-                          f"{cfg.campaign.eval_prompts_file}) changed since the run was created, and its committed "
-                          f"stages used the old prompts; restore the files or start a new run")
-    return Run(run_id, run_dir, cfg, data["config_hash"])
+    return Run(run_id, run_dir, cfg, data["config_hash"], data.get("prompts_sha256"))
 
 
 def list_runs(root: str | Path) -> list[dict[str, object]]:

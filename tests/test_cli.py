@@ -17,7 +17,7 @@ runner = CliRunner()
     (["run", "--set", "select.k=7"], "select.k=7 must be even"),
     (["run", "--set", "select.k=64"], "exceeds explore.pool_size=32"),
     (["run", "--set", "explore.pool_sise=8"], "explore.pool_sise: unknown key"),
-    (["run", "--set", "explore.precision=int3"], "explore.precision: Input should be"),
+    (["run", "--set", "explore.precision=int3"], "explore.precision: unknown explore precision 'int3'; registered: bf16"),
     (["run", "--set", "explore.precision=nvfp4"], "explore.precision=nvfp4 cannot run here"),
     (["run", "--set", "campaign.prompts_file=/nope.txt"], "cannot read prompt file '/nope.txt'"),
     (["run", "--run-id", "../escape"], "run id '../escape' must be"),
@@ -55,3 +55,29 @@ def test_resume_of_an_unknown_run_exits_2(tmp_path: Path):
 def test_ls_on_an_empty_store(tmp_path: Path):
     result = runner.invoke(app, ["ls", "--store", str(tmp_path)])
     assert result.exit_code == 0 and "no runs" in result.stdout
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks a machine without CUDA")
+@pytest.mark.parametrize("setting", ["explore.precision=nvfp4", "explore.precision=fp8", "model.device=cuda"])
+def test_a_run_made_on_a_gpu_machine_lists_and_reports_here_but_does_not_continue(tmp_path: Path, setting):
+    from conftest import tiny_config
+
+    from solrl.stages.context import StageContext
+    from solrl.stages.pipeline import run_stage
+    from solrl.storage.runs import create_run
+
+    # As if made on a Blackwell machine: the config is valid anywhere; one committed stage to report.
+    cfg = tiny_config(tmp_path / "store", setting)
+    run = create_run(cfg, "from-gpu")
+    run_stage(StageContext(cfg.model_copy(update={"model": cfg.model.model_copy(update={"device": "cpu"})}),
+                           run.run_dir, run.run_id, 0), "evaluate")
+    store = str(tmp_path / "store")
+    listed = runner.invoke(app, ["ls", "--store", store])
+    assert listed.exit_code == 0 and "from-gpu" in listed.stdout, listed.output
+    reported = runner.invoke(app, ["report", "from-gpu", "--store", store])
+    assert reported.exit_code == 0 and "digit_alignment" in reported.stdout, reported.output
+    before = sorted(p.name for p in run.run_dir.rglob("*"))
+    resumed = runner.invoke(app, ["resume", "from-gpu", "--store", store])
+    assert resumed.exit_code == 2 and ("cannot run here" in resumed.stderr or "no CUDA device" in resumed.stderr)
+    assert len([ln for ln in resumed.stderr.splitlines() if ln.strip()]) == 1
+    assert sorted(p.name for p in run.run_dir.rglob("*")) == before  # nothing written

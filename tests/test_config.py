@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from solrl.stages.runnable import check_runnable
 from solrl.config import ConfigError, RunConfig, list_presets, load_config
 
 
@@ -34,12 +35,16 @@ def test_config_is_frozen_and_hash_changes_with_values():
 @pytest.mark.parametrize(("overrides", "match"), [
     (["select.k=7"], r"select.k=7 must be even.*set select.k=8"),
     (["select.k=40"], r"select.k=40 exceeds explore.pool_size=32"),
-    (["explore.precision=fp3"], r"explore.precision: Input should be 'bf16', 'nvfp4_emulated', 'fp8_emulated', 'nvfp4' or 'fp8'.*'fp3'"),
+    (["explore.precision=fp3"], r"explore.precision: unknown explore precision 'fp3'; registered: bf16, fp8,"),
+    (["model.family=sdxl"], r"model.family: unknown model family 'sdxl'; registered: .*tiny-digits"),
+    (["train.loss=dpo"], r"train.loss: unknown loss 'dpo'; registered: flow_grpo, nft"),
     (["explore.pool_sise=8"], r"explore.pool_sise: unknown key; known keys here: precision, steps, pool_size,"),
     (["bogus.key=1"], r"bogus: unknown key; known keys here: name, model, explore, select,"),
     (["explore.steps=0"], r"explore.steps: Input should be greater than or equal to 1"),
     (["train.timestep_fraction=1.5"], r"train.timestep_fraction: Input should be less than or equal to 1"),
-    (["reward.weights={clipscore: 1.0}"], r"reward.weights.clipscore"),
+    (["reward.weights={clipscore: 1.0}"], r"reward.weights: unknown reward 'clipscore'; registered: digit_alignment"),
+    (["reward.evaluate=[aesthetic]"], r"reward.evaluate: unknown reward 'aesthetic'"),
+    (["train.loss=flow_grpo", "regenerate.steps=1"], r"regenerate.steps >= 2.*set regenerate.steps=10"),
     (["explore.pool_size"], r"expected section.key=value"),
     (["train.loss=flow_grpo", "regenerate.noise_level=0"], r"needs an SDE sampler.*set regenerate.noise_level=0.7"),
     (["train.loss=flow_grpo", "regenerate.enabled=false"], r"explore.steps=6 must equal regenerate.steps=10"),
@@ -53,12 +58,10 @@ def test_config_is_frozen_and_hash_changes_with_values():
     (["train.stat_min_count=40"],
      r"train.stat_min_count=40 exceeds train.stat_buffer=32.*set train.stat_min_count <= 32"),
     (["train.advantage_stats=history"], r"train.advantage_stats: Input should be 'group' or 'per_prompt'"),
-    (["model.path=/nonexistent"], r"model.path='/nonexistent' has no transformer/ folder"),
     (["train.clip_range=0"], r"train.clip_range: Input should be greater than 0"),
     (["train.timestep_fraction=0"], r"train.timestep_fraction: Input should be greater than 0"),
     (["regenerate.sde_window=[3, 2]"], r"regenerate.sde_window=\[3, 2\] must satisfy 0 <= start < end <= "),
     (["regenerate.sde_window=[0, 10]"], r"end <= regenerate.steps - 1 = 9"),
-    (["campaign.prompts_file=/nonexistent/prompts.txt"], r"campaign.prompts_file: cannot read prompt file"),
 ])
 def test_bad_overrides_raise_one_line_config_error(overrides, match):
     with pytest.raises(ConfigError, match=match) as info:
@@ -90,19 +93,6 @@ def test_non_mapping_yaml(tmp_path: Path):
         load_config(path)
 
 
-def test_empty_prompt_file(tmp_path: Path):
-    (tmp_path / "empty.txt").write_text("# only a comment\n\n")
-    with pytest.raises(ConfigError, match="holds no prompt"):
-        load_config(None, [f"campaign.prompts_file={tmp_path / 'empty.txt'}"])
-
-
-def test_unreadable_prompt_file(tmp_path: Path):
-    path = tmp_path / "binary.txt"
-    path.write_bytes(b"\xff\xfe\x00bad")
-    with pytest.raises(ConfigError, match="cannot read prompt file"):
-        load_config(None, [f"campaign.eval_prompts_file={path}"])
-
-
 def test_relative_prompt_files_resolve_against_the_preset(tmp_path: Path):
     (tmp_path / "p.txt").write_text("a handwritten digit four\n")
     (tmp_path / "run.yaml").write_text("campaign:\n  prompts_file: p.txt\n  prompts_per_iteration: 1\n")
@@ -116,15 +106,66 @@ def test_config_round_trips_through_json():
     assert again.digest() == cfg.digest()
 
 
+def runnable(*overrides: str) -> None:
+    check_runnable(load_config(None, list(overrides)))
+
+
+def test_the_default_preset_runs_here():
+    runnable()
+
+
+@pytest.mark.parametrize(("overrides", "match"), [
+    (["model.path=/nonexistent"], r"model.path: /nonexistent/transformer/config.json is missing \(tiny-digits "
+                                  r"weights\); weights: shipped with solrl; rebuild with"),
+    (["campaign.prompts_file=/nonexistent/prompts.txt"], r"campaign.prompts_file: cannot read prompt file"),
+])
+def test_what_this_machine_lacks_is_refused_where_work_starts_not_at_load(overrides, match):
+    cfg = load_config(None, overrides)  # the schema is pure: valid anywhere
+    with pytest.raises(ConfigError, match=match):
+        check_runnable(cfg)
+
+
+def test_empty_prompt_file(tmp_path: Path):
+    (tmp_path / "empty.txt").write_text("# only a comment\n\n")
+    with pytest.raises(ConfigError, match="holds no prompt"):
+        runnable(f"campaign.prompts_file={tmp_path / 'empty.txt'}")
+
+
+def test_unreadable_prompt_file(tmp_path: Path):
+    path = tmp_path / "binary.txt"
+    path.write_bytes(b"\xff\xfe\x00bad")
+    with pytest.raises(ConfigError, match="cannot read prompt file"):
+        runnable(f"campaign.eval_prompts_file={path}")
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks a machine without CUDA")
 @pytest.mark.parametrize("precision", ["nvfp4", "fp8"])
-def test_hardware_precision_without_the_hardware_fails_at_load_naming_what_runs(precision):
+def test_hardware_precision_without_the_hardware_is_valid_but_refused_where_work_starts(precision):
+    cfg = load_config(None, [f"explore.precision={precision}"])
     with pytest.raises(ConfigError, match=rf"explore.precision={precision} cannot run here: this machine has no "
-                                          r"CUDA device; this machine runs: bf16, nvfp4_emulated, fp8_emulated$"):
-        load_config(None, [f"explore.precision={precision}"])
+                                          r"CUDA device; this machine runs: bf16, fp8_emulated, nvfp4_emulated$"):
+        check_runnable(cfg)
 
 
-def test_prompts_that_name_no_digit_are_refused_at_load_when_a_digit_reward_is_used(tmp_path: Path):
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks a machine without CUDA")
+def test_cuda_device_without_cuda_is_valid_but_refused_where_work_starts():
+    cfg = load_config(None, ["model.device=cuda"])
+    with pytest.raises(ConfigError, match="model.device=cuda but torch sees no CUDA device"):
+        check_runnable(cfg)
+
+
+def test_prompts_that_name_no_digit_are_refused_where_work_starts_when_a_digit_reward_is_used(tmp_path: Path):
     (tmp_path / "cats.txt").write_text("a handwritten digit two\ndraw a cat\n")
-    with pytest.raises(ConfigError, match="prompt 'draw a cat' names no digit"):
-        load_config(None, [f"campaign.prompts_file={tmp_path / 'cats.txt'}"])
+    with pytest.raises(ConfigError, match="prompt 'draw a cat' names no digit, which reward digit_alignment needs"):
+        runnable(f"campaign.prompts_file={tmp_path / 'cats.txt'}")
+    runnable(f"campaign.prompts_file={tmp_path / 'cats.txt'}", "reward.weights={jpeg_compressibility: 1.0}",
+             "reward.evaluate=[jpeg_compressibility]")
+
+
+def test_a_plugin_registers_under_its_name_and_the_schema_accepts_it():
+    from solrl.registry import LOSSES
+    from solrl.stages.losses.nft import NFT
+
+    assert "nft" in LOSSES and LOSSES.get("nft") is NFT
+    with pytest.raises(ValueError, match="loss 'nft' is already registered"):
+        LOSSES.register("nft")(type("Other", (NFT,), {}))

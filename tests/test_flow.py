@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import TINY, tiny_config
-from solrl.stages.pipeline import ITERATION, stage_due
+from solrl.stages.pipeline import ITERATION, campaign_plan
 from solrl.storage.runs import create_run, list_runs
 from solrl.storage.stage import read_manifest, stage_dir
 
@@ -21,12 +21,8 @@ pytestmark = pytest.mark.slow
 
 
 def _committed(run_dir: Path, iterations: int) -> dict[tuple[int, str], str]:
-    cfg = tiny_config(run_dir.parent)
-    found = {(0, "evaluate"): read_manifest(run_dir, 0, "evaluate")}
-    for i in range(1, iterations + 1):
-        for stage in ITERATION:
-            if stage_due(cfg, stage.name, i):
-                found[(i, stage.name)] = read_manifest(run_dir, i, stage.name)
+    cfg = tiny_config(run_dir.parent, f"campaign.iterations={iterations}")
+    found = {(i, stage): read_manifest(run_dir, i, stage) for i, stages in campaign_plan(cfg) for stage in stages}
     assert all(found.values()), [k for k, v in found.items() if v is None]
     return {k: v.created for k, v in found.items()}
 

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from solrl.stages.fidelity import pool_agreement, rank_agreement
+from solrl.stages.metrics.fidelity import pool_agreement, rank_agreement
 from solrl.stages.losses.advantages import ADV_EPS, group_advantages, prompt_history_advantages
 from solrl.stages.losses.nft import nft_loss
-from solrl.stages.sampling import derive_seed, initial_noise, sample_ode
-from solrl.stages.selection import pool_ranks, select_seeds
+from solrl.stages.sampling.samplers import derive_seed, initial_noise, sample_ode
+from solrl.stages.metrics.selection import pool_ranks, select_seeds
 
 
 def test_derive_seed_is_stable_distinct_and_int63():

@@ -9,11 +9,12 @@ import torch
 from solrl.config import load_config
 from solrl.stages.models import load_model
 from solrl.stages.models import tiny_digits as td
-from solrl.stages.policy import Policy
+from solrl.stages.models.policy import Policy
 from solrl.stages.quant import FakeQuantLinear
 from solrl.stages.rewards import RewardError, build_reward
 from solrl.stages.rewards.base import checked
-from solrl.stages.rollout import generate, rollout_network
+from solrl.stages.sampling.rollout import generate
+from solrl.stages.quant.backends import rollout_network
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +92,7 @@ def test_nvfp4_explore_copy_quantizes_attention_and_ff_but_not_embedders(policy:
         wrapped = {n for n, m in net.named_modules() if isinstance(m, FakeQuantLinear)}
     assert "transformer_blocks.0.attn1.to_q" in wrapped and "transformer_blocks.2.ff.conv_point" in wrapped
     assert not any(k in n for n in wrapped for k in ("patch_embed", "time_embed", "caption_projection", "proj_out"))
-    with pytest.raises(ValueError, match="unknown explore precision 'fp3'; this machine runs: bf16, nvfp4_emulated"):
+    with pytest.raises(ValueError, match="unknown explore precision 'fp3'; registered: bf16, fp8, fp8_emulated, nvfp4, nvfp4_emulated"):
         with rollout_network(policy, "fp3"):
             pass
 
@@ -157,7 +158,7 @@ def test_hardware_explore_backends_refuse_a_machine_without_the_hardware(policy:
 
 
 def test_explore_copy_syncs_in_place_and_equals_a_fresh_build(policy: Policy):
-    from solrl.stages.rollout import explore_copy
+    from solrl.stages.quant.backends import explore_copy
 
     x, s, emb, mask = _inputs(policy)
     first = explore_copy(policy, "nvfp4_emulated")

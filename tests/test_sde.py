@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from solrl.stages.sde import gaussian_log_prob, sde_mean, sde_std, sde_step
+from solrl.stages.sampling.sde import gaussian_log_prob, sde_mean, sde_std, sde_step
 
 
 def _state():

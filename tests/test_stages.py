@@ -12,6 +12,7 @@ from solrl.storage.arrays import read_arrays
 from solrl.storage.checkpoints import load_checkpoint
 from solrl.storage.runs import create_run
 from solrl.storage.stage import StageNotCommitted, stage_dir
+from solrl.storage.artifacts import ExploreRewards, RegeneratedRewards, RewardStats, Samples, StartingPolicy
 from solrl.storage.tables import read_table
 
 
@@ -107,7 +108,7 @@ def test_update_trains_the_policy_adapter_only_and_starts_on_policy(iteration_on
     metrics = manifests["update"].metrics
     assert metrics["train/on_policy_max_dev"] == 0.0  # fresh adapters: v_theta == v_old before the update
     assert metrics["train/global_step"] == 2 and np.isfinite(metrics["train/loss"])
-    policy0, _, _ = ctx.load_policy(resume=False)
+    policy0 = ctx.load_policy(None)
     sections, state = load_checkpoint(stage_dir(ctx.run_dir, 1, "checkpoint"))
     before = policy0.state_dict("policy")
     assert any(not torch.equal(before[k], sections["policy"][k]) for k in before)
@@ -118,16 +119,18 @@ def test_update_trains_the_policy_adapter_only_and_starts_on_policy(iteration_on
         diff_gap = (sections["policy"][key] - sections["rollout"][key]).abs().sum()
         assert diff_gap <= 0.01 * diff_policy + 1e-12
     assert state["iteration"] == 1 and state["global_step"] == 2 and state["config_hash"] == ctx.cfg.digest()
-    assert state["architecture"]["_class_name"] == "SanaTransformer2DModel"
+    assert state["architecture"]["transformer"]["_class_name"] == "SanaTransformer2DModel"
+    assert state["model_family"] == "tiny-digits"
     assert set(sections) == {"policy", "rollout", "ema", "optimizer", "rng"}
 
 
 def test_the_next_iteration_starts_from_the_checkpoint(iteration_one):
     ctx, _ = iteration_one
-    nxt = StageContext(ctx.cfg, ctx.run_dir, ctx.run_id, 2)
-    policy, sections, state = nxt.load_policy()
-    assert state["global_step"] == 2
-    torch.testing.assert_close(policy.state_dict("rollout"), sections["rollout"])
+    start = StartingPolicy.load(ctx.run_dir, 2)
+    assert start.state["global_step"] == 2 and start.state["iteration"] == 1
+    assert StartingPolicy.load(ctx.run_dir, 1) is None  # iteration 1 starts from the base model
+    policy = StageContext(ctx.cfg, ctx.run_dir, ctx.run_id, 2).load_policy(start)
+    torch.testing.assert_close(policy.state_dict("rollout"), start.sections["rollout"])
 
 
 def test_evaluate_logs_every_reward_and_diversity(iteration_one):
@@ -155,12 +158,12 @@ def test_rerunning_a_committed_stage_is_a_skip(iteration_one):
 def test_total_rewards_sums_rewards_and_follows_the_requested_candidate_order():
     import pandas as pd
 
-    from solrl.stages.score import total_rewards
-
     table = pd.DataFrame({"group": [0, 0, 0, 0, 1, 1], "candidate_index": [3, 3, 7, 7, 5, 5],
                           "reward": ["a", "b", "a", "b", "a", "b"],
                           "weighted": np.array([0.5, 1.0, 0.25, 2.0, 1.0, 1.0], np.float32)})
-    out = total_rewards(table, np.array([[7, 3], [5, 5]]))
+    for column in ("prompt_index", "prompt", "seed", "value", "weight", "precision"):
+        table[column] = 0
+    out = ExploreRewards(table).totals(np.array([[7, 3], [5, 5]]))
     np.testing.assert_allclose(out, [[2.25, 1.5], [2.0, 2.0]])
 
 
@@ -187,11 +190,12 @@ def test_flow_grpo_iteration_stores_trajectories_and_starts_exactly_on_policy(tm
 def test_explore_and_regenerate_share_the_sde_noise_path_of_a_seed(tmp_path):
     from conftest import tiny_config
 
-    from solrl.stages.rollout import generate, rollout_network
+    from solrl.stages.sampling.rollout import generate
+    from solrl.stages.quant.backends import rollout_network
 
     cfg = tiny_config(tmp_path, "train.loss=flow_grpo")
     ctx = StageContext(cfg, tmp_path, "x", 1)
-    policy, _, _ = ctx.load_policy(resume=False)
+    policy = ctx.load_policy(None)
     with rollout_network(policy, "bf16") as net:
         alone = generate(policy.model, net, ["the digit one"], [77], 10, 8, noise_level=0.7)
         batch = generate(policy.model, net, ["the digit two", "the digit one"], [5, 77], 10, 8, noise_level=0.7)
@@ -233,7 +237,6 @@ def test_without_regenerate_the_update_trains_on_the_kept_explore_samples(tmp_pa
 def test_per_prompt_statistics_persist_across_iterations(tmp_path):
     from conftest import tiny_config
 
-    from solrl.stages.update import REWARD_STATS, regenerated_rewards
 
     cfg = tiny_config(tmp_path, "train.advantage_stats=per_prompt", "train.stat_buffer=6", "train.stat_min_count=2",
                       "fidelity.audit_every=0", "campaign.eval_every=100")
@@ -244,9 +247,10 @@ def test_per_prompt_statistics_persist_across_iterations(tmp_path):
         for stage in ITERATION:
             if stage.name not in ("audit", "evaluate"):
                 run_stage(ctx, stage.name)
-        tables.append(read_table(stage_dir(run.run_dir, iteration, "update") / REWARD_STATS))
-        _, _, prompts, values = regenerated_rewards(ctx)
-        rewards.append((prompts, values))
+        tables.append(RewardStats.read(RewardStats.path(run.run_dir, iteration)).frame)
+        samples = Samples.load(run.run_dir, iteration)
+        values = RegeneratedRewards.load(run.run_dir, iteration).totals(samples.candidate_index)
+        rewards.append((samples.prompts, values))
     first, second = tables
     prompts, values = rewards[1]
     # Iteration 2 continues iteration 1's committed buffers: each prompt keeps its last 6 rewards, oldest first.

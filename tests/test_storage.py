@@ -145,21 +145,24 @@ def test_open_run_detects_an_edited_config_but_accepts_an_older_schema(tmp_path:
         open_run(tmp_path, "r1")
 
 
-def test_open_run_refuses_prompt_files_edited_after_the_run_started(tmp_path: Path):
+def test_a_run_whose_prompt_files_were_edited_opens_but_is_refused_where_work_starts(tmp_path: Path):
     from conftest import tiny_config
 
     from solrl.config import ConfigError
+    from solrl.stages.runnable import check_runnable
     from solrl.storage.runs import create_run, open_run
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("the digit one\nthe digit two\n")
     create_run(tiny_config(tmp_path / "store", f"campaign.prompts_file={prompts}"), "p1")
-    open_run(tmp_path / "store", "p1")
     prompts.write_text("the digit one\nthe digit three\n")
-    with pytest.raises(ConfigError, match="its prompt files .* changed since the run was created"):
-        open_run(tmp_path / "store", "p1")
-    prompts.write_text("the digit one\nthe digit two\n")  # restored: the run opens again
+    run = open_run(tmp_path / "store", "p1")  # reading a run (ls, report) needs nothing else
+    with pytest.raises(ConfigError, match="prompt files .* changed since the run was created"):
+        check_runnable(run.config, run.prompts_sha256)
+    prompts.unlink()
     assert open_run(tmp_path / "store", "p1").run_id == "p1"
+    prompts.write_text("the digit one\nthe digit two\n")  # restored: the run can continue
+    check_runnable(run.config, run.prompts_sha256)
 
 
 def test_a_same_size_corruption_is_never_trusted_and_gets_redone(tmp_path: Path):

@@ -13,6 +13,13 @@ from __future__ import annotations
 
 import torch
 
+from solrl.config import RunConfig
+from solrl.registry import register_loss
+from solrl.stages.losses.base import Batch, PolicyLoss
+from solrl.stages.models.adapter import compute_precision
+from solrl.stages.models.policy import Policy
+from solrl.stages.sampling.sde import gaussian_log_prob, sde_mean, sde_std
+
 #: Log-ratios are clamped here before ``exp`` so one bad step cannot overflow (the clip makes them irrelevant).
 MAX_LOG_RATIO = 20.0
 
@@ -56,3 +63,59 @@ def grpo_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: to
                  "clip_fraction": ((ratio - 1).abs() > clip_range).float().mean().item(),
                  "ratio_mean": ratio.mean().item(), "approx_kl": (0.5 * log_ratio**2).mean().item()}
     return loss, terms
+
+
+@register_loss("flow_grpo")
+class FlowGRPO(PolicyLoss):
+    """Flow-GRPO: PPO-clipped log-probs of stored SDE steps; the rollout policy is the policy (d = 0)."""
+
+    name = "flow_grpo"
+
+    @classmethod
+    def validate_config(cls, cfg: RunConfig) -> None:
+        if cfg.regenerate.noise_level <= 0:
+            raise ValueError("train.loss=flow_grpo needs an SDE sampler but regenerate.noise_level=0 samples "
+                             "with the ODE only; set regenerate.noise_level=0.7 (Flow-GRPO) or use train.loss=nft")
+        if cfg.regenerate.steps < 2:
+            raise ValueError(f"train.loss=flow_grpo needs regenerate.steps >= 2: with "
+                             f"regenerate.steps={cfg.regenerate.steps} the only step lands on sigma 0, which is "
+                             f"deterministic, so there is nothing to train; set regenerate.steps=10")
+        if not cfg.regenerate.enabled and cfg.explore.steps != cfg.regenerate.steps:
+            raise ValueError(f"train.loss=flow_grpo with regenerate.enabled=false trains on the explore "
+                             f"trajectories, so explore.steps={cfg.explore.steps} must equal "
+                             f"regenerate.steps={cfg.regenerate.steps}")
+
+    @classmethod
+    def noise_level(cls, cfg: RunConfig) -> float:
+        return cfg.regenerate.noise_level
+
+    @classmethod
+    def trainable_steps(cls, batch: Batch) -> list[int]:
+        if batch.trajectory is None or batch.old_log_probs is None:
+            raise ValueError("train.loss=flow_grpo but the rollouts stored no SDE trajectory; rerun them with "
+                             "regenerate.noise_level > 0")
+        return [i for i, sde in enumerate(batch.sde_steps) if sde]
+
+    @classmethod
+    def terms(cls, policy: Policy, batch: Batch, t_index: int, mb: slice, generator: torch.Generator,
+              cfg: RunConfig) -> tuple[torch.Tensor, dict[str, float], float]:
+        """Flow-GRPO loss of stored step ``x_t -> x_{t+1}``; deviation ``max|log_prob - old_log_prob|``."""
+        assert batch.trajectory is not None and batch.old_log_probs is not None
+        tc, noise_level = cfg.train, cls.noise_level(cfg)
+        x_t, x_next = batch.trajectory[mb, t_index], batch.trajectory[mb, t_index + 1]
+        n = x_t.shape[0]
+        sigma, sigma_next = batch.sigmas[t_index].expand(n), batch.sigmas[t_index + 1].expand(n)
+        sigma_max = float(batch.sigmas[1])
+        emb, mask = batch.emb[mb], batch.mask[mb]
+        with compute_precision(x_t.device):
+            v = policy.velocity("policy", x_t, sigma, emb, mask)
+            with torch.no_grad():
+                v_ref = policy.velocity("reference", x_t, sigma, emb, mask) if tc.kl_beta else None
+        mean = sde_mean(x_t, v, sigma, sigma_next, noise_level, sigma_max)
+        std = sde_std(sigma, sigma_next, noise_level, sigma_max)
+        log_prob = gaussian_log_prob(x_next, mean, std)  # fp32
+        ref_mean = None if v_ref is None else sde_mean(x_t, v_ref, sigma, sigma_next, noise_level, sigma_max)
+        old = batch.old_log_probs[mb, t_index]
+        loss, terms = grpo_loss(log_prob, old, batch.advantages[mb], clip_range=tc.clip_range, mean=mean,
+                                ref_mean=ref_mean, std=std, kl_beta=tc.kl_beta)
+        return loss, terms, (log_prob.detach() - old).abs().max().item()

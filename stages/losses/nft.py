@@ -18,6 +18,12 @@ from __future__ import annotations
 
 import torch
 
+from solrl.config import RunConfig, TrainConfig
+from solrl.registry import register_loss
+from solrl.stages.losses.base import Batch, PolicyLoss
+from solrl.stages.models.adapter import compute_precision
+from solrl.stages.models.policy import Policy
+
 #: Floor of the adaptive weight, so a near-perfect prediction does not divide by ~0 (DiffusionNFT code).
 W_FLOOR = 1e-5
 
@@ -55,3 +61,40 @@ def nft_loss(v_theta: torch.Tensor, v_old: torch.Tensor, v_ref: torch.Tensor | N
     terms = {"policy_loss": policy_loss.item(), "kl": kl.item(), "r_mean": r.mean().item(),
              "x0_mse": ((x_t - tb * v_theta - x0) ** 2).mean().item()}
     return loss, terms
+
+
+@register_loss("nft")
+class NFT(PolicyLoss):
+    """DiffusionNFT on ODE rollouts (what the Sol-RL code trains): re-noise the clean sample at the sampler's
+    timesteps (sigma = 0 dropped); the rollout policy moves toward the policy with
+    ``d = min(decay_rate * step, decay_max)`` (DiffusionNFT Algorithm 1)."""
+
+    name = "nft"
+
+    @classmethod
+    def trainable_steps(cls, batch: Batch) -> list[int]:
+        return list(range(len(batch.sigmas) - 1))
+
+    @classmethod
+    def terms(cls, policy: Policy, batch: Batch, t_index: int, mb: slice, generator: torch.Generator,
+              cfg: RunConfig) -> tuple[torch.Tensor, dict[str, float], float]:
+        """NFT loss of micro-batch ``mb`` re-noised at ``sigmas[t_index]``; deviation ``max|v_theta - v_old|``."""
+        tc = cfg.train
+        x0 = batch.x0[mb]
+        t = batch.sigmas[t_index].expand(x0.shape[0])
+        eps = torch.randn(x0.shape, generator=generator).to(x0.device)
+        x_t = (1 - t[:, None, None, None]) * x0 + t[:, None, None, None] * eps
+        emb, mask = batch.emb[mb], batch.mask[mb]
+        with compute_precision(x0.device):
+            v_theta = policy.velocity("policy", x_t, t, emb, mask)
+            with torch.no_grad():
+                v_old = policy.velocity("rollout", x_t, t, emb, mask)
+                v_ref = policy.velocity("reference", x_t, t, emb, mask) if tc.kl_beta else None
+        loss, terms = nft_loss(v_theta.float(), v_old.float(), None if v_ref is None else v_ref.float(), x_t, x0,
+                               t, batch.advantages[mb], beta=tc.beta, adv_clip_max=tc.adv_clip_max,
+                               kl_beta=tc.kl_beta)
+        return loss, terms, (v_theta.detach().float() - v_old.float()).abs().max().item()
+
+    @classmethod
+    def rollout_decay(cls, step: int, tc: TrainConfig) -> float:
+        return min(tc.decay_rate * step, tc.decay_max)

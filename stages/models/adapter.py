@@ -3,36 +3,42 @@
 An adapter holds the policy transformer, the frozen text encoder (with a
 prompt-embedding cache), the decoder from latents to uint8 images, the
 flow-matching sigma schedule, the LoRA target modules and the NVFP4 skip list.
-Only tiny-digits ships in this release; SANA, FLUX.1 and SD3.5 adapters plug
-in here with the same fields.
+A family is a ``ModelFamily`` plug-in registered under its ``model.family``
+name (``solrl.registry.register_model``); ``load`` builds its ``ModelAdapter``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler, SanaTransformer2DModel
-from safetensors.torch import load_file
+from diffusers import FlowMatchEulerDiscreteScheduler
 from torch import nn
 
-from solrl.config import ModelConfig
-from solrl.stages.models import tiny_digits
-
-#: Weights shipped with solrl (few MB), rebuilt by ``solrl pretrain-tiny-digits``.
-TINY_DIGITS_WEIGHTS = Path(__file__).parent / "weights" / "tiny-digits"
+from solrl.config import ConfigError, ModelConfig, RunConfig
+from solrl.registry import MODELS
 
 
 def resolve_device(name: str) -> torch.device:
-    """``auto`` -> cuda when available else cpu. Raises ValueError for cuda on a machine without it."""
+    """``auto`` -> cuda when available else cpu. Raises ConfigError for cuda on a machine without it."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("model.device=cuda but torch sees no CUDA device; set model.device=cpu or auto")
+        raise ConfigError("model.device=cuda but torch sees no CUDA device; set model.device=cpu or auto")
     return torch.device(name)
+
+
+@contextmanager
+def compute_precision(device: torch.device) -> Iterator[None]:
+    """bf16 autocast on CUDA (BF16 train); float32 on CPU, where bf16 matmuls are slow and not the target."""
+    ctx = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+    with ctx:
+        yield
 
 
 @dataclass
@@ -82,33 +88,65 @@ class ModelAdapter:
         return out
 
 
+class ModelFamily:
+    """One model family as a plug-in (``solrl.registry.register_model``): how to check, load and describe it.
+
+    Subclasses set ``name`` and ``weights_hint`` and implement ``load``; ``validate_config`` (pure: what a
+    valid config of this family is, anywhere) and ``check_runnable`` (this machine: weights present) default
+    to no checks.
+    """
+
+    name: ClassVar[str]
+    #: Where the weights are published, for the missing-weights error.
+    weights_hint: ClassVar[str] = ""
+
+    @classmethod
+    def validate_config(cls, cfg: RunConfig) -> None:
+        """Family-specific rules of a valid config (pure). Raises ValueError naming the value and the fix."""
+
+    @classmethod
+    def weights_dir(cls, cfg: ModelConfig) -> Path:
+        """The weights folder ``model.path`` names (expanded)."""
+        if cfg.path is None:
+            raise ConfigError(f"model.family={cls.name} needs model.path (a diffusers-format folder); "
+                              f"weights: {cls.weights_hint}")
+        return Path(cfg.path).expanduser()
+
+    @classmethod
+    def required_files(cls, cfg: ModelConfig) -> tuple[str, ...]:
+        """Files (relative to the weights folder) that must exist before any work starts."""
+        return ()
+
+    @classmethod
+    def check_runnable(cls, cfg: ModelConfig) -> None:
+        """Raises ConfigError naming the first missing weights file and where the weights are published."""
+        root = cls.weights_dir(cfg)
+        for rel in cls.required_files(cfg):
+            if not (root / rel).exists():
+                where = f"; weights: {cls.weights_hint}" if cls.weights_hint else ""
+                raise ConfigError(f"model.path: {root / rel} is missing ({cls.name} weights){where}")
+
+    @classmethod
+    def load(cls, cfg: ModelConfig, device: torch.device) -> ModelAdapter:
+        raise NotImplementedError
+
+    @classmethod
+    def architecture(cls, cfg: ModelConfig) -> dict[str, Any]:
+        """What a checkpoint records to describe the model it belongs to (configs of the trained modules)."""
+        return {}
+
+
+def model_family(cfg: ModelConfig) -> type[ModelFamily]:
+    """The registered family of ``cfg.family``. Raises ValueError for an unknown family."""
+    return MODELS.get(cfg.family)
+
+
 def load_model(cfg: ModelConfig, device: torch.device) -> ModelAdapter:
-    """Build the adapter of ``cfg.family`` with weights from ``cfg.path`` (or the shipped ones).
+    """Build the adapter of ``cfg.family`` with weights from ``cfg.path`` (checked first).
 
     Raises:
-        FileNotFoundError: the weights folder lacks a file the family needs.
+        ConfigError: the weights folder lacks a file the family needs.
     """
-    if cfg.family != "tiny-digits":  # pragma: no cover - the schema admits only tiny-digits for now
-        raise ValueError(f"unknown model family {cfg.family!r}")
-    root = Path(cfg.path).expanduser() if cfg.path else TINY_DIGITS_WEIGHTS
-    for rel in ("transformer/config.json", "text_encoder.safetensors"):
-        if not (root / rel).exists():
-            raise FileNotFoundError(f"tiny-digits weights: {root / rel} is missing; run `solrl pretrain-tiny-digits`")
-    transformer = SanaTransformer2DModel.from_pretrained(root / "transformer").to(device)
-    text_encoder = tiny_digits.TinyTextEncoder()
-    text_encoder.load_state_dict(load_file(root / "text_encoder.safetensors"))
-    text_encoder.to(device).eval().requires_grad_(False)
-    return ModelAdapter(
-        family="tiny-digits",
-        transformer=transformer,
-        text_encoder=text_encoder,
-        tokenize=tiny_digits.tokenize,
-        decode_fn=tiny_digits.latents_to_images,
-        latent_shape=(1, tiny_digits.IMAGE_SIZE, tiny_digits.IMAGE_SIZE),
-        # Attention and the 1x1 feed-forward convs; the 3x3 depthwise conv is left out
-        # (peft cannot merge LoRA into it).
-        lora_targets=("to_q", "to_k", "to_v", "to_out.0", "conv_inverted", "conv_point"),
-        nvfp4_skip=("patch_embed", "time_embed", "caption_projection", "proj_out", "norm"),
-        shift=cfg.sampler_shift,
-        device=device,
-    )
+    family = model_family(cfg)
+    family.check_runnable(cfg)
+    return family.load(cfg, device)

@@ -12,13 +12,21 @@ gamed.
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from diffusers import SanaTransformer2DModel
+from safetensors.torch import load_file
 from torch import nn
+
+from solrl.config import ModelConfig
+from solrl.registry import register_model
+from solrl.stages.models.adapter import ModelAdapter, ModelFamily
 
 DIGIT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 #: Words the tiny text encoder knows; anything else maps to <unk>.
@@ -153,3 +161,54 @@ def latents_to_images(latents: torch.Tensor) -> np.ndarray:
     """Decode: pixel-space latents ``[B, 1, 16, 16]`` (float, [-1, 1]) -> uint8 ``[B, 16, 16, 3]``."""
     x = ((latents.detach().float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)  # [B, 1, H, W]
     return x.permute(0, 2, 3, 1).expand(-1, -1, -1, 3).cpu().numpy().copy()
+
+
+#: Weights shipped with solrl (few MB), rebuilt by ``solrl pretrain-tiny-digits``.
+TINY_DIGITS_WEIGHTS = Path(__file__).parent / "weights" / "tiny-digits"
+
+
+@register_model("tiny-digits")
+class TinyDigits(ModelFamily):
+    """The CPU model shipped with solrl: ``model.path`` null = the shipped weights, else a folder written by
+    ``solrl pretrain-tiny-digits --out``."""
+
+    name = "tiny-digits"
+    weights_hint = "shipped with solrl; rebuild with `solrl pretrain-tiny-digits --out DIR`"
+
+    @classmethod
+    def weights_dir(cls, cfg: ModelConfig) -> Path:
+        return Path(cfg.path).expanduser() if cfg.path else TINY_DIGITS_WEIGHTS
+
+    @classmethod
+    def required_files(cls, cfg: ModelConfig) -> tuple[str, ...]:
+        return ("transformer/config.json", "transformer/diffusion_pytorch_model.safetensors",
+                "text_encoder.safetensors")
+
+    @classmethod
+    def load(cls, cfg: ModelConfig, device: torch.device) -> ModelAdapter:
+        root = cls.weights_dir(cfg)
+        transformer = SanaTransformer2DModel.from_pretrained(root / "transformer").to(device)
+        text_encoder = TinyTextEncoder()
+        text_encoder.load_state_dict(load_file(root / "text_encoder.safetensors"))
+        text_encoder.to(device).eval().requires_grad_(False)
+        return ModelAdapter(
+            family=cls.name,
+            transformer=transformer,
+            text_encoder=text_encoder,
+            tokenize=tokenize,
+            decode_fn=latents_to_images,
+            latent_shape=(1, IMAGE_SIZE, IMAGE_SIZE),
+            # Attention and the 1x1 feed-forward convs; the 3x3 depthwise conv is left out
+            # (peft cannot merge LoRA into it).
+            lora_targets=("to_q", "to_k", "to_v", "to_out.0", "conv_inverted", "conv_point"),
+            nvfp4_skip=("patch_embed", "time_embed", "caption_projection", "proj_out", "norm"),
+            shift=cfg.sampler_shift,
+            device=device,
+        )
+
+    @classmethod
+    def architecture(cls, cfg: ModelConfig) -> dict[str, Any]:
+        """The transformer's diffusers config and the text encoder's dimensions."""
+        config = json.loads((cls.weights_dir(cfg) / "transformer" / "config.json").read_text(encoding="utf-8"))
+        return {"transformer": config, "text_encoder": {"vocab": len(VOCAB), "dim": TEXT_DIM,
+                                                         "max_tokens": MAX_TOKENS}}

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from solrl.stages.models import tiny_digits as td
-from solrl.stages.sampling import derive_seed, initial_noise, sample_ode
+from solrl.stages.sampling.samplers import derive_seed, initial_noise, sample_ode
 
 TEMPLATES = ("a handwritten digit {}", "the digit {}", "a hand drawn {}", "number {}", "{}")
 

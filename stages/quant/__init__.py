@@ -1,8 +1,10 @@
-"""Low-precision explore copy: emulated NVFP4 (W4A4) and FP8 (W8A8) fake quantization.
+"""Low-precision explore copy: emulated NVFP4 (W4A4) and FP8 (W8A8) fake quantization, Transformer Engine
+hardware backends, and the explore-backend registry (:mod:`.backends`).
 
 See :mod:`.nvfp4` and ``DESIGN.md`` §2 for the numerics.
 """
 
+from . import backends
 from .nvfp4 import (
     E2M1_MAX,
     E2M1_VALUES,
@@ -26,6 +28,7 @@ __all__ = [
     "FORMATS",
     "NVFP4_BLOCK",
     "FakeQuantLinear",
+    "backends",
     "eligible_layers",
     "fp8_e4m3_fake_quantize",
     "nvfp4_fake_quantize",

@@ -7,7 +7,7 @@ with the same weights, and the whole network runs under TE's autocast with the
 per-tensor ``DelayedScaling`` of the Sol-RL release) or ``Float8CurrentScaling(E4M3)``.
 
 Not verified on hardware yet: no CI machine has a GPU (see README, "What is verified where").
-``solrl.hardware.check_precision`` refuses these precisions at config load where they cannot run.
+``solrl.stages.quant.availability.check_precision`` refuses these precisions at config load where they cannot run.
 """
 
 from __future__ import annotations

@@ -1,5 +1,10 @@
-"""Rewards: uint8 images ``[B, H, W, 3]`` + prompts + metadata -> float32 ``[B]``, higher is better (DESIGN 6)."""
+"""Rewards: uint8 images ``[B, H, W, 3]`` + prompts + metadata -> float32 ``[B]``, higher is better (DESIGN 6).
 
+Each reward is a ``Reward`` plug-in registered under its name; importing this package registers the built-in
+ones.
+"""
+
+from solrl.stages.rewards import digits, jpeg
 from solrl.stages.rewards.base import Reward, RewardError, build_reward, score_all
 
-__all__ = ["Reward", "RewardError", "build_reward", "score_all"]
+__all__ = ["Reward", "RewardError", "build_reward", "digits", "jpeg", "score_all"]

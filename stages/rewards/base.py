@@ -3,44 +3,45 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol, get_args
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
-from solrl.config import RewardName
+from solrl.registry import REWARDS
 
 
 class RewardError(ValueError):
     """A reward returned something unusable (NaN, wrong shape): the stage stops, nothing is written."""
 
 
-class Reward(Protocol):
-    """One signature for every reward."""
+class Reward:
+    """One signature for every reward: images uint8 ``[B, H, W, 3]`` + prompts + metadata -> float32 ``[B]``,
+    higher is better. A reward registers under its name (``solrl.registry.register_reward``), is built with
+    ``reward(device=...)``, and checks the prompts it can score (``check_prompts``, where work starts)."""
 
-    name: str
+    name: ClassVar[str]
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+
+    @classmethod
+    def check_prompts(cls, prompts: Sequence[str], field: str) -> None:
+        """Raises ValueError naming the first prompt this reward cannot score (default: any prompt is fine)."""
 
     def __call__(self, images: np.ndarray, prompts: Sequence[str], metadata: dict[str, Any] | None = None,
                  ) -> np.ndarray:
         """images uint8 ``[B, H, W, 3]``, ``len(prompts) == B`` -> float32 ``[B]``."""
-        ...
+        raise NotImplementedError
 
 
-def build_reward(name: RewardName, device: torch.device | str = "cpu") -> Reward:
-    """Instantiate the reward called ``name``.
+def build_reward(name: str, device: torch.device | str = "cpu") -> Reward:
+    """Instantiate the reward registered as ``name``.
 
     Raises:
-        ValueError: unknown name (the config schema lists the known ones).
+        ValueError: unknown name (the message lists the registered rewards).
     """
-    if name in ("digit_alignment", "digit_evaluator"):
-        from solrl.stages.rewards.digits import DigitAlignment
-
-        return DigitAlignment(name=name, device=device)
-    if name == "jpeg_compressibility":
-        from solrl.stages.rewards.jpeg import JpegCompressibility
-
-        return JpegCompressibility()
-    raise ValueError(f"unknown reward {name!r}; known: {', '.join(get_args(RewardName))}")
+    return REWARDS.get(name)(device=device)
 
 
 def checked(reward: Reward, images: np.ndarray, prompts: Sequence[str]) -> np.ndarray:

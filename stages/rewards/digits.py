@@ -15,34 +15,40 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
+from solrl.registry import register_reward
 from solrl.stages.models import tiny_digits as td
-from solrl.stages.models.adapter import TINY_DIGITS_WEIGHTS
+from solrl.stages.rewards.base import Reward
+from solrl.stages.models.tiny_digits import TINY_DIGITS_WEIGHTS
 
-_BACKBONES = {
-    "digit_alignment": (td.DigitClassifier, "classifier.safetensors"),
-    "digit_evaluator": (td.DigitEvaluator, "evaluator.safetensors"),
-}
-
-
-class DigitAlignment:
-    """p(prompted digit | image) from a frozen classifier; float32 ``[B]`` in [0, 1].
+@register_reward("digit_alignment")
+class DigitAlignment(Reward):
+    """p(prompted digit | image) from the frozen training classifier; float32 ``[B]`` in [0, 1].
 
     Args:
-        name: ``digit_alignment`` (training classifier) or ``digit_evaluator``.
         weights_dir: folder with the classifier safetensors (default: shipped weights).
 
     Raises:
         ValueError (call): a prompt names no digit, or images are not uint8 ``[B, H, W, 3]``.
     """
 
-    def __init__(self, name: str = "digit_alignment", device: torch.device | str = "cpu",
-                 weights_dir: Path | None = None) -> None:
-        cls, filename = _BACKBONES[name]
-        self.name = name
-        self.device = torch.device(device)
-        self.net = cls()
-        self.net.load_state_dict(load_file((weights_dir or TINY_DIGITS_WEIGHTS) / filename))
+    name = "digit_alignment"
+    backbone: type[torch.nn.Module] = td.DigitClassifier
+    weights_file = "classifier.safetensors"
+
+    def __init__(self, device: torch.device | str = "cpu", weights_dir: Path | None = None) -> None:
+        super().__init__(device)
+        self.net = self.backbone()
+        self.net.load_state_dict(load_file((weights_dir or TINY_DIGITS_WEIGHTS) / self.weights_file))
         self.net.to(self.device).eval().requires_grad_(False)
+
+    @classmethod
+    def check_prompts(cls, prompts: Sequence[str], field: str) -> None:
+        for prompt in prompts:
+            try:
+                td.prompt_digit(prompt)
+            except ValueError:
+                raise ValueError(f"{field}: prompt {prompt!r} names no digit, which reward {cls.name} needs; "
+                                 f"name one (zero..nine or 0..9) or use other rewards") from None
 
     @torch.no_grad()
     def __call__(self, images: np.ndarray, prompts: Sequence[str], metadata: dict[str, Any] | None = None,
@@ -50,3 +56,12 @@ class DigitAlignment:
         target = torch.tensor([td.prompt_digit(p) for p in prompts], device=self.device)
         probs = self.net(td.images_to_model_input(images).to(self.device)).softmax(-1)  # [B, 10]
         return probs[torch.arange(len(prompts), device=self.device), target].float().cpu().numpy()
+
+
+@register_reward("digit_evaluator")
+class DigitEvaluator(DigitAlignment):
+    """The independently trained evaluator (other architecture and seed), for evaluation (DESIGN 5)."""
+
+    name = "digit_evaluator"
+    backbone = td.DigitEvaluator
+    weights_file = "evaluator.safetensors"

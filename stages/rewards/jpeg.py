@@ -9,10 +9,14 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from solrl.registry import register_reward
+from solrl.stages.rewards.base import Reward
+
 JPEG_QUALITY = 95
 
 
-class JpegCompressibility:
+@register_reward("jpeg_compressibility")
+class JpegCompressibility(Reward):
     """``-size_kB(JPEG(image, quality=95))``; float32 ``[B]``, higher = more compressible."""
 
     name = "jpeg_compressibility"

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-ANYWHERE = ("bf16", "nvfp4_emulated", "fp8_emulated")
+#: Hardware precisions -> the compute capability they need; every other precision runs anywhere.
 HARDWARE = {"fp8": (8, 9), "nvfp4": (10, 0)}
 
 
@@ -31,10 +31,8 @@ def _transformer_engine_reason(precision: str) -> str | None:
 @lru_cache(maxsize=None)
 def unavailable_reason(precision: str) -> str | None:
     """None when ``precision`` runs here, else why not (one sentence)."""
-    if precision in ANYWHERE:
-        return None
     if precision not in HARDWARE:
-        return f"unknown precision {precision!r}"
+        return None
     import torch
 
     if not torch.cuda.is_available():
@@ -48,12 +46,15 @@ def unavailable_reason(precision: str) -> str | None:
 
 
 def runnable_precisions() -> list[str]:
-    """Every explore precision this machine can run."""
-    return [p for p in (*ANYWHERE, *HARDWARE) if unavailable_reason(p) is None]
+    """Every registered explore precision this machine can run."""
+    from solrl.registry import EXPLORE_BACKENDS
+
+    return [p for p in EXPLORE_BACKENDS.names() if unavailable_reason(p) is None]
 
 
 def check_precision(precision: str) -> None:
-    """Raises ValueError naming the runnable backends when ``precision`` cannot run here."""
+    """Raises ValueError naming the runnable backends when ``precision`` cannot run here (the message is the
+    one-line error ``solrl run`` and ``solrl resume`` print)."""
     reason = unavailable_reason(precision)
     if reason is not None:
         raise ValueError(f"explore.precision={precision} cannot run here: {reason}; this machine runs: "

@@ -2,22 +2,16 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from solrl.config import ExplorePrecision
-from solrl.hardware import check_precision, runnable_precisions
-from solrl.stages.context import compute_precision
+from solrl.stages.models.adapter import compute_precision
 from solrl.stages.models import ModelAdapter
-from solrl.stages.policy import Policy
-from solrl.stages.quant import quantize_model_, requantize_model_
-from solrl.stages.sampling import Trajectory, batched, initial_noise, sample_ode, sample_sde, seed_noise
+from solrl.stages.sampling.samplers import Trajectory, batched, initial_noise, sample_ode, sample_sde, seed_noise
 
 
 @torch.no_grad()
@@ -69,52 +63,3 @@ def trajectory_arrays(traj: Trajectory, groups: tuple[int, int], sde: bool) -> d
         arrays["trajectory"] = traj.latents.numpy().astype(np.float32).reshape(*groups, *traj.latents.shape[1:])
         arrays["log_probs"] = traj.log_probs.numpy().astype(np.float32).reshape(*groups, -1)
     return arrays
-
-
-#: Emulated explore precisions -> fake-quant format of ``solrl.stages.quant``.
-EMULATED = {"nvfp4_emulated": "nvfp4", "fp8_emulated": "fp8"}
-
-
-def explore_copy(policy: Policy, precision: str, min_dim: int = 0) -> nn.Module:
-    """The quantized explore copy of the rollout policy, built once per ``Policy`` object and then kept in
-    sync in place: each later call writes the current merged rollout weights into it and re-quantizes them
-    (weight sync, no model rebuild). ``policy.explore_sync_seconds`` holds the last build or sync time."""
-    start = time.perf_counter()
-    key = (precision, min_dim)
-    net = policy.explore_copies.get(key)
-    if net is None:
-        net = policy.merged_copy("rollout")
-        quantize_model_(net, fmt=EMULATED[precision], skip=policy.model.nvfp4_skip, min_dim=min_dim)
-        policy.explore_copies[key] = net
-    else:
-        policy.sync_merged_copy_(net, "rollout")
-        requantize_model_(net)
-    policy.explore_sync_seconds = time.perf_counter() - start
-    return net
-
-
-@contextmanager
-def rollout_network(policy: Policy, precision: ExplorePrecision | str, min_dim: int = 0) -> Iterator[nn.Module]:
-    """The network that samples for the rollout policy at ``precision``.
-
-    ``bf16``: the peft transformer with the ``rollout`` adapter active. ``nvfp4_emulated`` / ``fp8_emulated``:
-    a copy with the rollout adapter merged and its Linear / 1x1-conv layers fake-quantized, W4A4 in NVFP4 or
-    W8A8 in per-tensor E4M3 (DESIGN 2; skips from the model adapter, plus ``max(in, out) <= min_dim``).
-    ``nvfp4`` / ``fp8``: the same layers as Transformer Engine Linears under TE autocast (GPU only).
-
-    Raises:
-        ValueError: unknown precision, or a hardware precision this machine cannot run.
-    """
-    if precision == "bf16":
-        with policy.using("rollout") as net:
-            yield net
-    elif precision in EMULATED:
-        yield explore_copy(policy, precision, min_dim)
-    elif precision in ("nvfp4", "fp8"):
-        check_precision(precision)
-        from solrl.stages.quant.hardware import te_explore_copy
-
-        yield te_explore_copy(policy.merged_copy("rollout"), precision, policy.model.nvfp4_skip, min_dim)
-    else:
-        raise ValueError(f"unknown explore precision {precision!r}; this machine runs: "
-                         f"{', '.join(runnable_precisions())}")

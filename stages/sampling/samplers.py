@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from solrl.stages.sde import sde_step
+from solrl.stages.sampling.sde import sde_step
 
 #: Seeds are drawn in [0, 2^63) so they fit int64 columns in Zarr and Parquet.
 _SEED_BITS = 63
@@ -99,7 +99,7 @@ def sde_mask(steps: int, window: tuple[int, int] | None) -> torch.Tensor:
 @torch.no_grad()
 def sample_sde(velocity: VelocityFn, noise: torch.Tensor, sigmas: torch.Tensor, noise_level: float,
                window: tuple[int, int] | None = None) -> Trajectory:
-    """Sample with the Flow-GRPO SDE step (``solrl.stages.sde``) on the window's steps, Euler ODE elsewhere.
+    """Sample with the Flow-GRPO SDE step (``solrl.stages.sampling.sde``) on the window's steps, Euler ODE elsewhere.
 
     Args:
         velocity: ``(x [B, C, h, w], sigma [B]) -> v``.

@@ -1,0 +1,63 @@
+"""The policy-loss plug-in interface and the batch every loss trains on."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from solrl.config import RunConfig, TrainConfig
+from solrl.stages.models.policy import Policy
+
+
+@dataclass
+class Batch:
+    """The group samples of one update, flattened to B = P * k, on the device."""
+
+    x0: torch.Tensor  # float32 [B, C, h, w], the clean samples
+    advantages: torch.Tensor  # float32 [B]
+    emb: torch.Tensor  # [B, L, D] prompt embeddings
+    mask: torch.Tensor  # [B, L]
+    sigmas: torch.Tensor  # [S + 1] the sampling grid
+    trajectory: torch.Tensor | None  # float32 [B, S + 1, C, h, w] (SDE rollouts)
+    old_log_probs: torch.Tensor | None  # float32 [B, S] (SDE rollouts)
+    sde_steps: list[bool]  # [S]: which rollout steps were stochastic
+
+
+class PolicyLoss:
+    """One policy loss as a plug-in (``solrl.registry.register_loss``), named by ``train.loss``.
+
+    A loss says how rollouts must be sampled for it (``noise_level``: 0 = the deterministic ODE), which of a
+    rollout's steps it trains (``trainable_steps``), its term for one micro-batch at one step (``terms``),
+    and how the rollout policy follows the policy after an optimizer step (``rollout_decay``).
+    """
+
+    name: ClassVar[str]
+
+    @classmethod
+    def validate_config(cls, cfg: RunConfig) -> None:
+        """Loss-specific rules of a valid config (pure). Raises ValueError naming the value and the fix."""
+
+    @classmethod
+    def noise_level(cls, cfg: RunConfig) -> float:
+        """The SDE noise level rollouts sample with (0 = Euler ODE)."""
+        return 0.0
+
+    @classmethod
+    def trainable_steps(cls, batch: Batch) -> list[int]:
+        """Indices t of the sampling steps (``x_t -> x_{t+1}``) the loss may train."""
+        raise NotImplementedError
+
+    @classmethod
+    def terms(cls, policy: Policy, batch: Batch, t_index: int, mb: slice, generator: torch.Generator,
+              cfg: RunConfig) -> tuple[torch.Tensor, dict[str, float], float]:
+        """(scalar loss with grad, detached loss terms, on-policy deviation) of micro-batch ``mb`` at step
+        ``t_index``. The deviation is how far the rollout that produced the samples is from the policy now
+        (0 before the first update of an on-policy iteration, up to rounding)."""
+        raise NotImplementedError
+
+    @classmethod
+    def rollout_decay(cls, step: int, tc: TrainConfig) -> float:
+        """``d`` of the rollout update ``rollout = d rollout + (1 - d) policy`` after optimizer step ``step``."""
+        return 0.0

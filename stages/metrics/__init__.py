@@ -1,0 +1,1 @@
+"""Metrics over stored outputs: seed selection, proxy fidelity, diversity, image grids."""

@@ -1,0 +1,39 @@
+"""Can this machine run a config? Checked where work starts (``solrl run``, ``solrl resume``, the campaign
+flow), never by the config schema, so any machine can list, inspect and report any run (DESIGN 3)."""
+
+from __future__ import annotations
+
+from solrl.config import ConfigError, RunConfig
+from solrl.registry import EXPLORE_BACKENDS, REWARDS
+from solrl.stages.models import model_family, resolve_device
+from solrl.stages.quant.availability import runnable_precisions
+
+
+def check_runnable(cfg: RunConfig, prompts_sha256: str | None = None) -> None:
+    """Check, before any work, that this machine can run ``cfg``.
+
+    Checks: ``model.device``; the explore backend on this hardware; the model family's weights files; the prompt
+    files readable and scorable by every configured reward; with ``prompts_sha256`` (a run's recorded digest),
+    that the prompt files still hold the prompts the run's committed stages used.
+
+    Raises:
+        ConfigError: one line naming what is missing and the fix.
+    """
+    resolve_device(cfg.model.device)
+    reason = EXPLORE_BACKENDS.get(cfg.explore.precision).unavailable_reason()
+    if reason is not None:
+        raise ConfigError(f"explore.precision={cfg.explore.precision} cannot run here: {reason}; this machine runs: "
+                          f"{', '.join(runnable_precisions())}")
+    model_family(cfg.model).check_runnable(cfg.model)
+    train, evaluation = cfg.train_prompts(), cfg.eval_prompts()
+    try:
+        for name in cfg.reward.weights:
+            REWARDS.get(name).check_prompts(train, "campaign.prompts_file")
+        for name in {*cfg.reward.weights, *cfg.reward.evaluate}:
+            REWARDS.get(name).check_prompts(evaluation, "campaign.eval_prompts_file")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if prompts_sha256 is not None and cfg.prompts_digest() != prompts_sha256:
+        raise ConfigError(f"the prompt files ({cfg.campaign.prompts_file}, {cfg.campaign.eval_prompts_file}) changed "
+                          f"since the run was created, and its committed stages used the old prompts; restore "
+                          f"the files or start a new run")

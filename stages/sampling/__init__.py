@@ -1,0 +1,1 @@
+"""Sampling: seeds and noise, the Euler ODE and Flow-GRPO SDE samplers, and batched rollouts."""
