@@ -1,4 +1,4 @@
-# solrl: `make demo` runs the tiny-digits Sol-RL campaign, `make test` the tests.
+# solrl: `make demo` runs the tiny-digits Sol-RL campaign, `make test` lint and the tests.
 # Both create .venv if missing and install from this repo's own files.
 PYTHON ?= python3
 VENV ?= .venv
@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE ?= 1
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export DO_NOT_TRACK ?= 1
 
-.PHONY: demo test install clean
+.PHONY: demo test lint install clean
 
 $(BIN)/.installed: pyproject.toml constraints/cpu.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -23,7 +23,12 @@ install: $(BIN)/.installed
 demo: $(BIN)/.installed
 	$(BIN)/solrl run tiny-digits
 
-test: $(BIN)/.installed
+# Formatting and lint are the machine's job (ruff, configured in pyproject.toml); `make test` runs them first.
+lint: $(BIN)/.installed
+	$(BIN)/ruff format --check .
+	$(BIN)/ruff check .
+
+test: lint
 	$(BIN)/python -m pytest -q
 
 clean:

@@ -43,8 +43,16 @@ def stage_columns(frame: pd.DataFrame) -> list[str]:
 def run_one(preset: str, seed: int, iterations: int, store: Path, overrides: tuple[str, ...] = ()) -> pd.DataFrame:
     """One run of ``preset`` (plus ``--set`` style ``overrides``) through the stage functions; returns its
     per-iteration metrics with cumulative ``train_seconds``."""
-    cfg = load_config(preset, [f"campaign.seed={seed}", f"campaign.iterations={iterations}",
-                               f"storage.root={store}", "fidelity.audit_every=0", *overrides])
+    cfg = load_config(
+        preset,
+        [
+            f"campaign.seed={seed}",
+            f"campaign.iterations={iterations}",
+            f"storage.root={store}",
+            "fidelity.audit_every=0",
+            *overrides,
+        ],
+    )
     run = create_run(cfg, f"{preset}-seed{seed}")
     for iteration, stages in campaign_plan(cfg):
         ctx = StageContext(cfg, run.run_dir, run.run_id, iteration)
@@ -84,9 +92,14 @@ def plot(frame: pd.DataFrame, path: Path) -> None:
         by_iteration, by_seconds = fig.add_subplot(grid[0, col]), fig.add_subplot(grid[1, col])
         for preset, group in frame.groupby("preset", sort=False):
             stats = group.groupby("iteration")[metric].agg(["mean", "std"]).reset_index()
-            line, = by_iteration.plot(stats["iteration"], stats["mean"], label=preset)
-            by_iteration.fill_between(stats["iteration"], stats["mean"] - stats["std"].fillna(0),
-                                      stats["mean"] + stats["std"].fillna(0), alpha=0.2, color=line.get_color())
+            (line,) = by_iteration.plot(stats["iteration"], stats["mean"], label=preset)
+            by_iteration.fill_between(
+                stats["iteration"],
+                stats["mean"] - stats["std"].fillna(0),
+                stats["mean"] + stats["std"].fillna(0),
+                alpha=0.2,
+                color=line.get_color(),
+            )
             timed = group.groupby("iteration")[[metric, "train_seconds"]].mean()
             by_seconds.plot(timed["train_seconds"], timed[metric], label=preset)
         by_iteration.set(title=metric, xlabel="iteration")
@@ -122,23 +135,37 @@ def report(frame: pd.DataFrame, target: float) -> str:
     presets = list(dict.fromkeys(frame.preset))
     seeds = sorted(frame.seed.unique().tolist())
     last, first = frame[frame.iteration == iterations], frame[frame.iteration == 0]
-    lines = [f"tiny-digits, {iterations} iterations, seeds {seeds}; mean +- std over seeds; machine: "
-             f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}", "",
-             f"| preset | runs | alignment | evaluator | diversity | train s / iteration | train s to evaluator "
-             f">= {target} (runs reaching it) |", "| --- | --- | --- | --- | --- | --- | --- |",
-             f"| start (iteration 0) | {first.seed.nunique()} | {fmt(first[EVALS[0]])} | {fmt(first[EVALS[1]])} | "
-             f"{fmt(first[EVALS[2]])} | | |"]
+    lines = [
+        f"tiny-digits, {iterations} iterations, seeds {seeds}; mean +- std over seeds; machine: "
+        f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
+        "",
+        f"| preset | runs | alignment | evaluator | diversity | train s / iteration | train s to evaluator "
+        f">= {target} (runs reaching it) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+        f"| start (iteration 0) | {first.seed.nunique()} | {fmt(first[EVALS[0]])} | {fmt(first[EVALS[1]])} | "
+        f"{fmt(first[EVALS[2]])} | | |",
+    ]
     for preset in presets:
         rows, runs = last[last.preset == preset], frame[frame.preset == preset]
         per_iter = runs.groupby("seed")["train_seconds"].max() / iterations
         reach = pd.Series([seconds_to_reach(g, EVALS[1], target) for _, g in runs.groupby("seed")])
-        reached = f"{reach.mean():.0f} ({reach.notna().sum()}/{len(reach)})" if reach.notna().any() else \
-            f"never (0/{len(reach)})"
-        lines.append(f"| {preset} | {len(rows)} | {fmt(rows[EVALS[0]])} | {fmt(rows[EVALS[1]])} | "
-                     f"{fmt(rows[EVALS[2]])} | {per_iter.mean():.2f} | {reached} |")
+        reached = (
+            f"{reach.mean():.0f} ({reach.notna().sum()}/{len(reach)})"
+            if reach.notna().any()
+            else f"never (0/{len(reach)})"
+        )
+        lines.append(
+            f"| {preset} | {len(rows)} | {fmt(rows[EVALS[0]])} | {fmt(rows[EVALS[1]])} | "
+            f"{fmt(rows[EVALS[2]])} | {per_iter.mean():.2f} | {reached} |"
+        )
     split = stage_split(frame)
-    lines += ["", "Seconds per stage per iteration (mean):", "",
-              "| preset | " + " | ".join(split.columns) + " |", "|" + " --- |" * (len(split.columns) + 1)]
+    lines += [
+        "",
+        "Seconds per stage per iteration (mean):",
+        "",
+        "| preset | " + " | ".join(split.columns) + " |",
+        "|" + " --- |" * (len(split.columns) + 1),
+    ]
     for preset, row in split.iterrows():
         lines.append(f"| {preset} | " + " | ".join(f"{v:.2f}" for v in row.to_numpy(np.float64)) + " |")
     return "\n".join(lines)
@@ -150,11 +177,21 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--iterations", type=int, default=20)
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                        help="config override applied to every preset (repeatable)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="config override applied to every preset (repeatable)",
+    )
     parser.add_argument("--target", type=float, default=0.8, help="evaluator alignment for the time-to column")
-    parser.add_argument("--from-csv", type=Path, default=None,
-                        help="re-render the table and plot from a convergence.csv (e.g. of an interrupted bench)")
+    parser.add_argument(
+        "--from-csv",
+        type=Path,
+        default=None,
+        help="re-render the table and plot from a convergence.csv (e.g. of an interrupted bench)",
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.from_csv is not None:

@@ -23,9 +23,9 @@ import torch
 from solrl.config import load_config
 from solrl.stages.context import StageContext
 from solrl.stages.metrics.fidelity import pool_agreement
+from solrl.stages.quant.backends import rollout_network
 from solrl.stages.rewards import build_reward
 from solrl.stages.sampling.rollout import generate
-from solrl.stages.quant.backends import rollout_network
 from solrl.stages.sampling.samplers import derive_seed
 
 
@@ -57,23 +57,31 @@ def main() -> None:
         return reward(policy.model.decode(latents), flat).reshape(len(prompts), args.pool), seconds
 
     reference, ref_seconds = sample("bf16", args.ref_steps)
-    header = ("| precision | steps | Kendall tau | Spearman rho | top-4 / 8 / 12 match | bottom-12 false incl. "
-              f"| true rank best / worst {args.k // 2} | s (pool) |")
+    header = (
+        "| precision | steps | Kendall tau | Spearman rho | top-4 / 8 / 12 match | bottom-12 false incl. "
+        f"| true rank best / worst {args.k // 2} | s (pool) |"
+    )
     lines = [header, "|" + " --- |" * 8]
     for precision in args.precisions:
         for steps in args.steps:
             rewards, seconds = sample(precision, steps)
             a = pool_agreement(rewards, reference, args.k)
             tops = " / ".join(f"{100 * a.get(f'top{n}_match', float('nan')):.1f}" for n in (4, 8, 12))
-            lines.append(f"| {precision} | {steps} | {a['kendall']:.3f} | {a['spearman']:.3f} | {tops}% | "
-                         f"{100 * a.get('bottom12_false_inclusion', float('nan')):.1f}% | "
-                         f"{a['best_true_rank']:.1f} / {a['worst_true_rank']:.1f} | {seconds:.1f} |")
-    machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-               f"threads {torch.get_num_threads()}")
-    notes = (f"\ntiny-digits {'base policy' if args.checkpoint is None else args.checkpoint}; {len(prompts)} prompts "
-             f"x pool {args.pool}; reference bf16 (float32 on CPU) {args.ref_steps} steps ({ref_seconds:.1f} s); "
-             f"perfect ranks {a['best_perfect']:.1f} / {a['worst_perfect']:.1f}, random {a['random_rank']:.1f}; "
-             f"machine: {machine}")
+            lines.append(
+                f"| {precision} | {steps} | {a['kendall']:.3f} | {a['spearman']:.3f} | {tops}% | "
+                f"{100 * a.get('bottom12_false_inclusion', float('nan')):.1f}% | "
+                f"{a['best_true_rank']:.1f} / {a['worst_true_rank']:.1f} | {seconds:.1f} |"
+            )
+    machine = (
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"threads {torch.get_num_threads()}"
+    )
+    notes = (
+        f"\ntiny-digits {'base policy' if args.checkpoint is None else args.checkpoint}; {len(prompts)} prompts "
+        f"x pool {args.pool}; reference bf16 (float32 on CPU) {args.ref_steps} steps ({ref_seconds:.1f} s); "
+        f"perfect ranks {a['best_perfect']:.1f} / {a['worst_perfect']:.1f}, random {a['random_rank']:.1f}; "
+        f"machine: {machine}"
+    )
     table = "\n".join(lines) + "\n" + notes
     print(table)
     if args.out:

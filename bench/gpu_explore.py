@@ -22,20 +22,38 @@ from pathlib import Path
 import torch
 from diffusers import SanaTransformer2DModel
 
-from solrl.stages.quant.availability import runnable_precisions, unavailable_reason
 from solrl.stages.quant import quantize_model_
+from solrl.stages.quant.availability import runnable_precisions, unavailable_reason
 
-SANA_SKIP = ("patch_embed", "time_embed", "caption_projection", "proj_out", "norm", "attn1.to_q", "attn1.to_k",
-             "attn1.to_v")  # Sol-RL's SANA list: embedders, final layer, attn qkv; plus max(in, out) <= 2240
+SANA_SKIP = (
+    "patch_embed",
+    "time_embed",
+    "caption_projection",
+    "proj_out",
+    "norm",
+    "attn1.to_q",
+    "attn1.to_k",
+    "attn1.to_v",
+)  # Sol-RL's SANA list: embedders, final layer, attn qkv; plus max(in, out) <= 2240
 SANA_MIN_DIM = 2240
 
 
 def build(smoke: bool, device: torch.device) -> tuple[SanaTransformer2DModel, dict[str, torch.Tensor]]:
     if smoke:
-        net = SanaTransformer2DModel(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=32,
-                                     num_layers=2, num_cross_attention_heads=2, cross_attention_head_dim=32,
-                                     cross_attention_dim=64, caption_channels=32, sample_size=8, patch_size=1,
-                                     interpolation_scale=1.0)
+        net = SanaTransformer2DModel(
+            in_channels=4,
+            out_channels=4,
+            num_attention_heads=2,
+            attention_head_dim=32,
+            num_layers=2,
+            num_cross_attention_heads=2,
+            cross_attention_head_dim=32,
+            cross_attention_dim=64,
+            caption_channels=32,
+            sample_size=8,
+            patch_size=1,
+            interpolation_scale=1.0,
+        )
         batch, latent, tokens, text = 4, (4, 8, 8), 8, 32
     else:
         net = SanaTransformer2DModel()  # the 1600M configuration
@@ -43,9 +61,11 @@ def build(smoke: bool, device: torch.device) -> tuple[SanaTransformer2DModel, di
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     net = net.to(device, dtype).eval().requires_grad_(False)
     g = torch.Generator(device="cpu").manual_seed(0)
-    inputs = {"hidden_states": torch.randn(batch, *latent, generator=g).to(device, dtype),
-              "encoder_hidden_states": torch.randn(batch, tokens, text, generator=g).to(device, dtype),
-              "encoder_attention_mask": torch.ones(batch, tokens, device=device)}
+    inputs = {
+        "hidden_states": torch.randn(batch, *latent, generator=g).to(device, dtype),
+        "encoder_hidden_states": torch.randn(batch, tokens, text, generator=g).to(device, dtype),
+        "encoder_attention_mask": torch.ones(batch, tokens, device=device),
+    }
     return net, inputs
 
 
@@ -89,8 +109,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, CPU is fine")
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--precisions", nargs="+",
-                        default=["bf16", "fp8", "nvfp4", "fp8_emulated", "nvfp4_emulated"])
+    parser.add_argument("--precisions", nargs="+", default=["bf16", "fp8", "nvfp4", "fp8_emulated", "nvfp4_emulated"])
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and not args.smoke:
@@ -116,14 +135,16 @@ def main() -> None:
         rows.append(f"| {precision} | {batch / seconds:.2f} | {seconds:.2f} | {copy_seconds:.2f} | {peak:.1f} | |")
         del copy_net
     name = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or platform.machine()
-    table = "\n".join([
-        f"SanaTransformer2DModel {'smoke' if args.smoke else '1600M'} ({params / 1e6:.0f}M params), batch {batch}, "
-        f"{args.steps} steps; {name}; torch {torch.__version__}; runnable: {', '.join(runnable_precisions())}",
-        "",
-        "| precision | images/s | s per batch | copy build s (merge + quantize) | peak GiB | note |",
-        "| --- | --- | --- | --- | --- | --- |",
-        *rows,
-    ])
+    table = "\n".join(
+        [
+            f"SanaTransformer2DModel {'smoke' if args.smoke else '1600M'} ({params / 1e6:.0f}M params), batch {batch}, "
+            f"{args.steps} steps; {name}; torch {torch.__version__}; runnable: {', '.join(runnable_precisions())}",
+            "",
+            "| precision | images/s | s per batch | copy build s (merge + quantize) | peak GiB | note |",
+            "| --- | --- | --- | --- | --- | --- |",
+            *rows,
+        ]
+    )
     print(table)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "gpu_explore.md").write_text(table + "\n")

@@ -20,8 +20,11 @@ from solrl.storage.stage import stage_dir
 from solrl.storage.tracking import Tracker
 
 #: Logged to MLflow per iteration, by stage: (file or folder in the stage folder, artifact folder).
-_ARTIFACTS = {"select": ("best_worst.png", "best_worst"), "evaluate": ("samples.png", "eval_samples"),
-              "checkpoint": (".", "checkpoints")}
+_ARTIFACTS = {
+    "select": ("best_worst.png", "best_worst"),
+    "evaluate": ("samples.png", "eval_samples"),
+    "checkpoint": (".", "checkpoints"),
+}
 
 
 @task(task_run_name="{stage}[{iteration}]", cache_policy=NO_CACHE, persist_result=False, retry_delay_seconds=2)
@@ -32,8 +35,12 @@ def stage_task(store: str, run_id: str, iteration: int, stage: str) -> dict:
     manifest, skipped = run_stage(ctx, stage)
     logger = get_run_logger()
     if skipped:
-        logger.info("iteration %d %s: committed manifest matches inputs %s, skipped", iteration, stage,
-                    manifest.inputs_hash[:12])
+        logger.info(
+            "iteration %d %s: committed manifest matches inputs %s, skipped",
+            iteration,
+            stage,
+            manifest.inputs_hash[:12],
+        )
     else:
         logger.info("iteration %d %s: committed in %.2f s", iteration, stage, manifest.seconds)
         for warning in manifest.info.get("warnings", []):
@@ -89,8 +96,9 @@ def campaign(store: str, run_id: str) -> dict[str, float]:
         tracker = Tracker(run)
         metrics: dict[str, float] = {}
         for stage in start:
-            metrics |= _run_and_track(store, run_id, 0, stage, tracker, run.config.campaign.stage_retries)[
-                "manifest"]["metrics"]
+            metrics |= _run_and_track(store, run_id, 0, stage, tracker, run.config.campaign.stage_retries)["manifest"][
+                "metrics"
+            ]
         try:
             for iteration, stages in iterations:
                 metrics = sol_rl_iteration(store, run_id, iteration, stages)
@@ -101,4 +109,3 @@ def campaign(store: str, run_id: str) -> dict[str, float]:
             raise
         tracker.finish()
     return metrics
-

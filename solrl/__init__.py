@@ -24,5 +24,6 @@ class _DropMessages(logging.Filter):
 # command: diffusers looks for torchao tensor classes solrl never loads (it does not deserialize torchao
 # checkpoints), and torchao registers enums with torch's pytree in a way torch 2.14 calls deprecated.
 logging.getLogger("diffusers.quantizers.torchao.torchao_quantizer").addFilter(
-    _DropMessages("Unable to import `torchao` Tensor objects"))
+    _DropMessages("Unable to import `torchao` Tensor objects")
+)
 logging.getLogger("torch.utils._pytree").addFilter(_DropMessages("is an Enum subclass and is now natively supported"))

@@ -9,15 +9,19 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import pandas as pd
 import typer
 
 from solrl.config import ConfigError, load_config
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Sol-RL: FP4 explore, BF16 train. RL post-training of text-to-image flow models.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Sol-RL: FP4 explore, BF16 train. RL post-training of text-to-image flow models.",
+)
 
 StoreOption = Annotated[str, typer.Option("--store", help="Run store (the config's storage.root).")]
 
@@ -45,8 +49,11 @@ def _launch(store: str, run_id: str) -> None:
     except KeyboardInterrupt:
         _fail(f"interrupted; continue with `solrl resume {run_id} --store {store}`", 130)
     except Exception as exc:  # the flow already logged the traceback
-        _fail(f"{exc.__class__.__name__}: {exc}\n  committed stages are kept; continue with "
-              f"`solrl resume {run_id} --store {store}`", 1)
+        _fail(
+            f"{exc.__class__.__name__}: {exc}\n  committed stages are kept; continue with "
+            f"`solrl resume {run_id} --store {store}`",
+            1,
+        )
     _report(store, run_id)
 
 
@@ -57,17 +64,19 @@ def _report(store: str, run_id: str) -> None:
     run = open_run(store, run_id)
     uri = tracking_uri(run.config, run.run_dir.parent)
     prefect_home = os.environ.get("PREFECT_HOME", "~/.prefect")
-    typer.echo(f"\nrun {run_id} finished; results in {run.run_dir}\n"
-               f"  per-iteration stages: {run.run_dir}/iter_*/<stage>/ (Zarr pools, Parquet tables, checkpoint)\n"
-               f"  MLflow UI:  mlflow ui --backend-store-uri {uri}\n"
-               f"  Prefect UI: PREFECT_HOME={prefect_home} prefect server start   (then http://127.0.0.1:4200)")
+    typer.echo(
+        f"\nrun {run_id} finished; results in {run.run_dir}\n"
+        f"  per-iteration stages: {run.run_dir}/iter_*/<stage>/ (Zarr pools, Parquet tables, checkpoint)\n"
+        f"  MLflow UI:  mlflow ui --backend-store-uri {uri}\n"
+        f"  Prefect UI: PREFECT_HOME={prefect_home} prefect server start   (then http://127.0.0.1:4200)"
+    )
 
 
 @app.command()
 def run(
-    config: Annotated[Optional[str], typer.Argument(help="Preset name (configs/*.yaml) or YAML path.")] = None,
-    set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override: section.key=value (YAML value).")] = None,
-    run_id: Annotated[Optional[str], typer.Option("--run-id", help="Name of the run (default: preset-time-hex).")] = None,
+    config: Annotated[str | None, typer.Argument(help="Preset name (configs/*.yaml) or YAML path.")] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Override: section.key=value (YAML value).")] = None,
+    run_id: Annotated[str | None, typer.Option("--run-id", help="Name of the run (default: preset-time-hex).")] = None,
 ) -> None:
     """Start a new campaign from a preset (default tiny-digits)."""
     try:
@@ -79,8 +88,10 @@ def run(
         created = create_run(cfg, run_id)
     except ConfigError as exc:
         _fail(str(exc))
-    typer.echo(f"run {created.run_id}: {cfg.campaign.iterations} iterations, explore {cfg.explore.precision} "
-               f"pool {cfg.explore.pool_size} -> keep {cfg.select.k}, store {created.run_dir}")
+    typer.echo(
+        f"run {created.run_id}: {cfg.campaign.iterations} iterations, explore {cfg.explore.precision} "
+        f"pool {cfg.explore.pool_size} -> keep {cfg.select.k}, store {created.run_dir}"
+    )
     _launch(str(created.run_dir.parent), created.run_id)
 
 
@@ -100,8 +111,10 @@ def resume(run_id: Annotated[str, typer.Argument(help="The run to continue.")], 
 
     pending = first_pending(StageContext(run_.config, run_.run_dir, run_id, 0, run_.config_hash))
     if pending is None:
-        typer.echo(f"run {run_id} is complete ({run_.config.campaign.iterations} iterations committed); "
-                   f"nothing to do. See `solrl report {run_id} --store {store}`.")
+        typer.echo(
+            f"run {run_id} is complete ({run_.config.campaign.iterations} iterations committed); "
+            f"nothing to do. See `solrl report {run_id} --store {store}`."
+        )
         return
     typer.echo(f"resuming run {run_id} at iteration {pending[0]}, stage {pending[1]}")
     _launch(str(run_.run_dir.parent), run_id)
@@ -124,8 +137,13 @@ def list_(store: StoreOption = "runs") -> None:
     for name in ("created (UTC)", "iterations done", "last committed stage", "explore"):
         table.add_column(name, overflow="fold")
     for row in rows:
-        table.add_row(str(row["run_id"]), str(row["created"])[:19].replace("T", " "),
-                      f"{row['iterations_done']}/{row['iterations']}", str(row["last_stage"]), str(row["explore"]))
+        table.add_row(
+            str(row["run_id"]),
+            str(row["created"])[:19].replace("T", " "),
+            f"{row['iterations_done']}/{row['iterations']}",
+            str(row["last_stage"]),
+            str(row["explore"]),
+        )
     Console().print(table)
 
 
@@ -133,7 +151,7 @@ def list_(store: StoreOption = "runs") -> None:
 def report(
     run_id: Annotated[str, typer.Argument(help="The run to summarise.")],
     store: StoreOption = "runs",
-    plot: Annotated[Optional[Path], typer.Option(help="Also save the evaluation curves as a PNG here.")] = None,
+    plot: Annotated[Path | None, typer.Option(help="Also save the evaluation curves as a PNG here.")] = None,
 ) -> None:
     """Per-iteration table of a run (evaluation, rewards, fidelity, seconds), from its manifests."""
     from rich.console import Console
@@ -150,15 +168,32 @@ def report(
     frame = collect_metrics(run_.run_dir, tuple(s.name for s in ITERATION))
     if frame.empty:
         _fail(f"run {run_id} has no committed stage yet")
-    columns = [c for c in ("eval/digit_alignment", "eval/digit_evaluator", "eval/diversity", "explore/reward_mean",
-                           "regenerate/reward_mean", "fidelity/spearman", "fidelity/kendall", "train/loss")
-               if c in frame]
-    frame["seconds/iteration"] = frame.filter(like="seconds/").drop(columns="seconds/evaluate", errors="ignore").sum(axis=1)
-    table = Table("iter", *[c.split("/", 1)[1] if c.startswith("eval/") else c for c in columns], "s/iter",
-                  title=f"run {run_id}")
+    columns = [
+        c
+        for c in (
+            "eval/digit_alignment",
+            "eval/digit_evaluator",
+            "eval/diversity",
+            "explore/reward_mean",
+            "regenerate/reward_mean",
+            "fidelity/spearman",
+            "fidelity/kendall",
+            "train/loss",
+        )
+        if c in frame
+    ]
+    frame["seconds/iteration"] = (
+        frame.filter(like="seconds/").drop(columns="seconds/evaluate", errors="ignore").sum(axis=1)
+    )
+    table = Table(
+        "iter", *[c.split("/", 1)[1] if c.startswith("eval/") else c for c in columns], "s/iter", title=f"run {run_id}"
+    )
     for _, row in frame.iterrows():
-        table.add_row(str(int(row["iteration"])), *[f"{row[c]:.4f}" if pd.notna(row[c]) else "" for c in columns],
-                      f"{row['seconds/iteration']:.1f}")
+        table.add_row(
+            str(int(row["iteration"])),
+            *[f"{row[c]:.4f}" if pd.notna(row[c]) else "" for c in columns],
+            f"{row['seconds/iteration']:.1f}",
+        )
     Console(width=200).print(table)
     if plot is not None:
         import matplotlib

@@ -39,13 +39,18 @@ class _Section(BaseModel):
     def _no_booleans_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
         """YAML ``true``/``yes`` is not a number: pydantic would read it as 1 (``explore.steps: yes``)."""
         field = cls.model_fields[info.field_name] if info.field_name else None
-        if field is None or field.annotation is bool or (isinstance(field.annotation, type)
-                                                         and issubclass(field.annotation, BaseModel)):
+        if (
+            field is None
+            or field.annotation is bool
+            or (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel))
+        ):
             return value
         items = value.values() if isinstance(value, dict) else value if isinstance(value, list | tuple) else [value]
         if any(isinstance(item, bool) for item in items):
-            raise ValueError(f"expected a number but got {value!r}: YAML reads true/false/yes/no/on/off as "
-                             f"booleans; write a number (or null where the key allows it)")
+            raise ValueError(
+                f"expected a number but got {value!r}: YAML reads true/false/yes/no/on/off as "
+                f"booleans; write a number (or null where the key allows it)"
+            )
         return value
 
 
@@ -68,8 +73,9 @@ class ExploreConfig(_Section):
     """Step 1: sample the candidate pool with the low-precision rollout copy."""
 
     precision: str = Field(
-        "nvfp4_emulated", description="Registered explore backend: bf16 (float32 on CPU), nvfp4_emulated, "
-        "fp8_emulated (fake quantization anywhere), nvfp4 (Blackwell), fp8 (Ada/Hopper/Blackwell)."
+        "nvfp4_emulated",
+        description="Registered explore backend: bf16 (float32 on CPU), nvfp4_emulated, "
+        "fp8_emulated (fake quantization anywhere), nvfp4 (Blackwell), fp8 (Ada/Hopper/Blackwell).",
     )
     steps: int = Field(6, ge=1, description="Euler ODE steps for explore sampling.")
     pool_size: int = Field(32, ge=2, description="Candidates (seeds) per prompt.")
@@ -113,14 +119,17 @@ class TrainConfig(_Section):
     eps: float = Field(1e-8, gt=0)
     grad_clip: float = Field(1.0, gt=0, description="Max global grad norm.")
     optimizer_steps: int = Field(4, ge=1, description="Optimizer steps per iteration.")
-    timestep_fraction: float = Field(0.6, gt=0, le=1, description="Fraction of the sampling timesteps trained per step.")
+    timestep_fraction: float = Field(
+        0.6, gt=0, le=1, description="Fraction of the sampling timesteps trained per step."
+    )
     beta: float = Field(1.0, gt=0, description="NFT guidance strength beta.")
     kl_beta: float = Field(1e-4, ge=0, description="Weight of ||v_theta - v_ref||^2 (reference = adapter off).")
     adv_clip_max: float = Field(5.0, gt=0, description="Advantages are clipped to +-adv_clip_max.")
     global_std: bool = Field(True, description="Normalise advantages by the batch std instead of the group std.")
     advantage_stats: Literal["group", "per_prompt"] = Field(
-        "group", description="group: centre on this iteration's group mean (GRPO); per_prompt: on a per-prompt "
-        "buffer of rewards kept across iterations (DDPO's stat tracker; persisted in update/reward_stats.parquet)."
+        "group",
+        description="group: centre on this iteration's group mean (GRPO); per_prompt: on a per-prompt "
+        "buffer of rewards kept across iterations (DDPO's stat tracker; persisted in update/reward_stats.parquet).",
     )
     stat_buffer: int = Field(32, ge=1, description="per_prompt: rewards kept per prompt.")
     stat_min_count: int = Field(16, ge=1, description="per_prompt: below this many, use the batch statistics.")
@@ -172,7 +181,9 @@ class CampaignConfig(_Section):
     prompts_file: str = Field("prompts/tiny-digits-train.txt", description="One prompt a line; relative to the preset.")
     eval_prompts_file: str = Field("prompts/tiny-digits-eval.txt")
     eval_seeds: int = Field(8, ge=1, description="Fixed seeds per evaluation prompt.")
-    eval_every: int = Field(1, ge=1, description="Evaluate the rollout policy every N iterations (and before the first).")
+    eval_every: int = Field(
+        1, ge=1, description="Evaluate the rollout policy every N iterations (and before the first)."
+    )
     seed: int = Field(42, ge=0, description="Run seed; every candidate seed derives from it.")
     stage_retries: int = Field(1, ge=0, description="Prefect retries of a failed stage task.")
 
@@ -196,21 +207,28 @@ class RunConfig(_Section):
     @model_validator(mode="after")
     def _cross_field_rules(self) -> RunConfig:
         if not all(0 <= b < 1 for b in self.train.betas):
-            raise ValueError(f"train.betas={list(self.train.betas)} must both be in [0, 1); AdamW's default is "
-                             f"[0.9, 0.999]")
+            raise ValueError(
+                f"train.betas={list(self.train.betas)} must both be in [0, 1); AdamW's default is [0.9, 0.999]"
+            )
         if self.train.stat_min_count > self.train.stat_buffer:
-            raise ValueError(f"train.stat_min_count={self.train.stat_min_count} exceeds train.stat_buffer="
-                             f"{self.train.stat_buffer}, so the per-prompt statistics would never be used; set "
-                             f"train.stat_min_count <= {self.train.stat_buffer}")
+            raise ValueError(
+                f"train.stat_min_count={self.train.stat_min_count} exceeds train.stat_buffer="
+                f"{self.train.stat_buffer}, so the per-prompt statistics would never be used; set "
+                f"train.stat_min_count <= {self.train.stat_buffer}"
+            )
         k, pool = self.select.k, self.explore.pool_size
         if k % 2 and self.select.strategy == "best_worst":
             raise ValueError(f"select.k={k} must be even for best_worst (k/2 best + k/2 worst); set select.k={k + 1}")
         if k > pool:
-            raise ValueError(f"select.k={k} exceeds explore.pool_size={pool}; set select.k <= {pool} or raise pool_size")
+            raise ValueError(
+                f"select.k={k} exceeds explore.pool_size={pool}; set select.k <= {pool} or raise pool_size"
+            )
         window = self.regenerate.sde_window
         if window is not None and not 0 <= window[0] < window[1] <= self.regenerate.steps - 1:
-            raise ValueError(f"regenerate.sde_window={list(window)} must satisfy 0 <= start < end <= "
-                             f"regenerate.steps - 1 = {self.regenerate.steps - 1} (the last step is ODE)")
+            raise ValueError(
+                f"regenerate.sde_window={list(window)} must satisfy 0 <= start < end <= "
+                f"regenerate.steps - 1 = {self.regenerate.steps - 1} (the last step is ODE)"
+            )
         if not self.reward.weights:
             raise ValueError("reward.weights is empty; give at least one reward, e.g. {digit_alignment: 1.0}")
         # Plug-in names, then each plug-in's own rules (pure: nothing here looks at the machine).

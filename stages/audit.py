@@ -22,8 +22,9 @@ from solrl.storage.artifacts import AuditPool, CandidatePool, ExploreRewards, St
 from solrl.storage.stage import StageOutput
 
 
-def audit(ctx: StageContext, out: Path, pool: CandidatePool, scores: ExploreRewards,
-          start: StartingPolicy | None) -> StageOutput:
+def audit(
+    ctx: StageContext, out: Path, pool: CandidatePool, scores: ExploreRewards, start: StartingPolicy | None
+) -> StageOutput:
     """Regenerate every candidate of the first ``fidelity.audit_prompts`` pools with the BF16 rollout policy at
     ``regenerate.steps``, score them, and compare with the explore rewards.
 
@@ -36,17 +37,35 @@ def audit(ctx: StageContext, out: Path, pool: CandidatePool, scores: ExploreRewa
     prompts = [pool.prompts[p] for p in range(A) for _ in range(N)]
     policy = ctx.load_policy(start)
     with rollout_network(policy, "bf16") as net:
-        samples = generate(policy.model, net, prompts, pool.seeds[:A].reshape(-1).tolist(),
-                           ctx.cfg.regenerate.steps, ctx.cfg.regenerate.batch_size, desc="audit bf16",
-                           noise_level=ctx.cfg.sde_noise_level(), sde_window=ctx.cfg.regenerate.sde_window).samples
+        samples = generate(
+            policy.model,
+            net,
+            prompts,
+            pool.seeds[:A].reshape(-1).tolist(),
+            ctx.cfg.regenerate.steps,
+            ctx.cfg.regenerate.batch_size,
+            desc="audit bf16",
+            noise_level=ctx.cfg.sde_noise_level(),
+            sde_window=ctx.cfg.regenerate.sde_window,
+        ).samples
     values = score_images(ctx, policy.model.decode(samples), prompts, ctx.cfg.reward.weights)
     bf16 = sum(v * ctx.cfg.reward.weights[name] for name, v in values.items()).reshape(A, N)
-    AuditPool(pd.DataFrame({
-        "group": np.repeat(np.arange(A), N), "prompt": prompts, "candidate_index": np.tile(np.arange(N), A),
-        "seed": pool.seeds[:A].reshape(-1), "explore_reward": explore.reshape(-1),
-        "bf16_reward": bf16.reshape(-1).astype(np.float32),
-        "explore_rank": pool_ranks(explore).reshape(-1), "bf16_rank": pool_ranks(bf16).reshape(-1),
-    })).write(out)
+    AuditPool(
+        pd.DataFrame(
+            {
+                "group": np.repeat(np.arange(A), N),
+                "prompt": prompts,
+                "candidate_index": np.tile(np.arange(N), A),
+                "seed": pool.seeds[:A].reshape(-1),
+                "explore_reward": explore.reshape(-1),
+                "bf16_reward": bf16.reshape(-1).astype(np.float32),
+                "explore_rank": pool_ranks(explore).reshape(-1),
+                "bf16_rank": pool_ranks(bf16).reshape(-1),
+            }
+        )
+    ).write(out)
     agreement = pool_agreement(explore, bf16, ctx.cfg.select.k)
-    return StageOutput(metrics={f"audit/{key}": value for key, value in agreement.items()},
-                       info={"prompts": A, "pool_size": N, "precision": pool.attrs["precision"]})
+    return StageOutput(
+        metrics={f"audit/{key}": value for key, value in agreement.items()},
+        info={"prompts": A, "pool_size": N, "precision": pool.attrs["precision"]},
+    )

@@ -15,9 +15,16 @@ def checkpoint(ctx: StageContext, out: Path, trained: TrainedState) -> StageOutp
     """Write ``policy``, ``rollout``, ``ema``, ``optimizer``, ``rng`` safetensors and ``state.json``
     (iteration, global step, optimizer groups, config hash, model family and its architecture as the family's
     adapter describes it, solrl version)."""
-    state = {**trained.state, "iteration": ctx.iteration, "run_id": ctx.run_id, "config_hash": ctx.config_key,
-             "model_family": ctx.cfg.model.family, "model_path": ctx.cfg.model.path,
-             "lora": {"rank": ctx.cfg.model.lora_rank, "alpha": ctx.cfg.model.lora_alpha},
-             "architecture": model_family(ctx.cfg.model).architecture(ctx.cfg.model), "solrl_version": __version__}
+    state = {
+        **trained.state,
+        "iteration": ctx.iteration,
+        "run_id": ctx.run_id,
+        "config_hash": ctx.config_key,
+        "model_family": ctx.cfg.model.family,
+        "model_path": ctx.cfg.model.path,
+        "lora": {"rank": ctx.cfg.model.lora_rank, "alpha": ctx.cfg.model.lora_alpha},
+        "architecture": model_family(ctx.cfg.model).architecture(ctx.cfg.model),
+        "solrl_version": __version__,
+    }
     Checkpoint(trained.sections, state).write(out)
     return StageOutput(info={"global_step": state["global_step"]})

@@ -15,7 +15,6 @@ from solrl.stages.models.policy import ADAPTERS, Policy
 from solrl.stages.sampling.samplers import derive_seed
 from solrl.storage.artifacts import Checkpoint
 
-
 #: The loaded policy of this process, keyed by (model config, run seed, device).
 _POLICIES: dict[tuple[str, int, str], Policy] = {}
 
@@ -67,8 +66,12 @@ class StageContext:
         if policy is None:
             _POLICIES.clear()  # one model in memory at a time
             model = load_model(self.cfg.model, self.device)
-            policy = _POLICIES[key] = Policy(model, self.cfg.model.lora_rank, self.cfg.model.lora_alpha,
-                                             seed=derive_seed(self.cfg.campaign.seed, "lora-init"))
+            policy = _POLICIES[key] = Policy(
+                model,
+                self.cfg.model.lora_rank,
+                self.cfg.model.lora_alpha,
+                seed=derive_seed(self.cfg.campaign.seed, "lora-init"),
+            )
         for name in ADAPTERS:
             policy.load_state_dict(name, checkpoint.sections[name] if checkpoint else policy.initial_state)
         return policy

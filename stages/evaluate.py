@@ -11,8 +11,8 @@ import pandas as pd
 from solrl.stages.context import StageContext
 from solrl.stages.metrics.diversity import pairwise_diversity
 from solrl.stages.metrics.grid import save_grid
-from solrl.stages.sampling.rollout import generate
 from solrl.stages.quant.backends import rollout_network
+from solrl.stages.sampling.rollout import generate
 from solrl.stages.sampling.samplers import derive_seed
 from solrl.stages.score import score_images
 from solrl.storage.artifacts import EvalMetrics, EvalSamples, TrainedPolicy
@@ -34,21 +34,40 @@ def evaluate(ctx: StageContext, out: Path, trained: TrainedPolicy | None) -> Sta
     """
     prompts = ctx.cfg.eval_prompts()
     S = ctx.cfg.campaign.eval_seeds
-    seeds = np.array([[derive_seed(ctx.cfg.campaign.seed, "eval", p, s) for s in range(S)]
-                      for p in range(len(prompts))], dtype=np.int64)
+    seeds = np.array(
+        [[derive_seed(ctx.cfg.campaign.seed, "eval", p, s) for s in range(S)] for p in range(len(prompts))],
+        dtype=np.int64,
+    )
     policy = ctx.load_policy(trained)
     flat = [p for p in prompts for _ in range(S)]
     with rollout_network(policy, "bf16") as net:
-        samples = generate(policy.model, net, flat, seeds.reshape(-1).tolist(), ctx.cfg.regenerate.steps,
-                           ctx.cfg.regenerate.batch_size, desc="evaluate").samples  # deterministic ODE
+        samples = generate(
+            policy.model,
+            net,
+            flat,
+            seeds.reshape(-1).tolist(),
+            ctx.cfg.regenerate.steps,
+            ctx.cfg.regenerate.batch_size,
+            desc="evaluate",
+        ).samples  # deterministic ODE
     images = policy.model.decode(samples)
     grid = images.reshape(len(prompts), S, *images.shape[1:])
     values = score_images(ctx, images, flat, dict.fromkeys(ctx.cfg.reward.evaluate, 1.0))
-    EvalSamples(images=grid, seeds=seeds, prompt_index=np.arange(len(prompts)),
-                attrs={"prompts": prompts, "policy_version": ctx.iteration}).write(out)
-    EvalMetrics(pd.DataFrame([
-        {"prompt": prompts[p], "reward": name, "mean": float(v.reshape(len(prompts), S)[p].mean())}
-        for name, v in values.items() for p in range(len(prompts))])).write(out)
+    EvalSamples(
+        images=grid,
+        seeds=seeds,
+        prompt_index=np.arange(len(prompts)),
+        attrs={"prompts": prompts, "policy_version": ctx.iteration},
+    ).write(out)
+    EvalMetrics(
+        pd.DataFrame(
+            [
+                {"prompt": prompts[p], "reward": name, "mean": float(v.reshape(len(prompts), S)[p].mean())}
+                for name, v in values.items()
+                for p in range(len(prompts))
+            ]
+        )
+    ).write(out)
     save_grid(grid, out / GRID, row_labels=prompts)
     metrics = {f"eval/{name}": float(v.mean()) for name, v in values.items()}
     metrics["eval/diversity"] = pairwise_diversity(grid)
@@ -56,6 +75,8 @@ def evaluate(ctx: StageContext, out: Path, trained: TrainedPolicy | None) -> Sta
     start = read_manifest(ctx.run_dir, 0, "evaluate") if ctx.iteration > 0 else None
     if start is not None and metrics["eval/diversity"] < DIVERSITY_WARN_FRACTION * start.metrics["eval/diversity"]:
         drop = 1 - metrics["eval/diversity"] / start.metrics["eval/diversity"]
-        warnings.append(f"sample diversity {metrics['eval/diversity']:.4f} is {drop:.0%} below the starting "
-                        f"policy's: the training reward may be gamed; look at {GRID} and the other rewards")
+        warnings.append(
+            f"sample diversity {metrics['eval/diversity']:.4f} is {drop:.0%} below the starting "
+            f"policy's: the training reward may be gamed; look at {GRID} and the other rewards"
+        )
     return StageOutput(metrics=metrics, info={"warnings": warnings})

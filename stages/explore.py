@@ -27,8 +27,10 @@ def explore_precision(ctx: StageContext) -> tuple[str, list[str]]:
     rho = previous.metrics.get("fidelity/spearman", float("nan")) if previous else float("nan")
     if rho >= bound:
         return configured, []
-    return "bf16", [f"iteration {ctx.iteration - 1} proxy fidelity Spearman {rho:.3f} < {bound}: exploring in bf16 "
-                    f"instead of {configured} this iteration"]
+    return "bf16", [
+        f"iteration {ctx.iteration - 1} proxy fidelity Spearman {rho:.3f} < {bound}: exploring in bf16 "
+        f"instead of {configured} this iteration"
+    ]
 
 
 def explore(ctx: StageContext, out: Path, start: StartingPolicy | None) -> StageOutput:
@@ -50,16 +52,37 @@ def explore(ctx: StageContext, out: Path, start: StartingPolicy | None) -> Stage
     policy.explore_sync_seconds = 0.0
     noise_level = ctx.cfg.sde_noise_level()
     with rollout_network(policy, precision, cfg.min_dim) as net:
-        traj = generate(policy.model, net, flat_prompts, seeds.reshape(-1).tolist(), cfg.steps, cfg.batch_size,
-                        desc=f"explore {precision}", noise_level=noise_level,
-                        sde_window=ctx.cfg.regenerate.sde_window if cfg.steps == ctx.cfg.regenerate.steps else None)
+        traj = generate(
+            policy.model,
+            net,
+            flat_prompts,
+            seeds.reshape(-1).tolist(),
+            cfg.steps,
+            cfg.batch_size,
+            desc=f"explore {precision}",
+            noise_level=noise_level,
+            sde_window=ctx.cfg.regenerate.sde_window if cfg.steps == ctx.cfg.regenerate.steps else None,
+        )
     images = policy.model.decode(traj.samples)  # [P*N, H, W, 3]
     train_on_pool = {} if ctx.cfg.regenerate.enabled else trajectory_arrays(traj, (P, N), noise_level > 0)
-    CandidatePool(images=images.reshape(P, N, *images.shape[1:]), seeds=seeds, prompt_index=prompt_index,
-                  **train_on_pool,
-                  attrs={"prompts": prompts, "precision": precision, "steps": cfg.steps,
-                         "policy_version": ctx.iteration - 1, "sde_steps": traj.sde.tolist()}).write(out)
+    CandidatePool(
+        images=images.reshape(P, N, *images.shape[1:]),
+        seeds=seeds,
+        prompt_index=prompt_index,
+        **train_on_pool,
+        attrs={
+            "prompts": prompts,
+            "precision": precision,
+            "steps": cfg.steps,
+            "policy_version": ctx.iteration - 1,
+            "sde_steps": traj.sde.tolist(),
+        },
+    ).write(out)
     # Seconds to build (first iteration in this process) or sync in place (later) the quantized copy.
-    return StageOutput(metrics={"explore/sync_seconds": policy.explore_sync_seconds,
-                                "explore/low_precision": EXPLORE_BACKENDS.get(precision).low_precision},
-                       info={"precision": precision, "prompts": P, "pool_size": N, "warnings": warnings})
+    return StageOutput(
+        metrics={
+            "explore/sync_seconds": policy.explore_sync_seconds,
+            "explore/low_precision": EXPLORE_BACKENDS.get(precision).low_precision,
+        },
+        info={"precision": precision, "prompts": P, "pool_size": N, "warnings": warnings},
+    )

@@ -100,7 +100,8 @@ def _upstream_key(artifact: type[Artifact]) -> str:
 def stage_key(ctx: StageContext, stage: Stage) -> str:
     """The inputs hash of ``stage`` at ``ctx.iteration`` (see module doc)."""
     upstream: dict[str, StageManifest | None] = {
-        _upstream_key(artifact): artifact.manifest(ctx.run_dir, ctx.iteration) for artifact in stage.reads}
+        _upstream_key(artifact): artifact.manifest(ctx.run_dir, ctx.iteration) for artifact in stage.reads
+    }
     return inputs_hash(ctx.run_id, ctx.iteration, stage.name, ctx.config_key, upstream)
 
 

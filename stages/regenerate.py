@@ -16,8 +16,9 @@ from solrl.storage.stage import StageOutput
 _TRAINABLE = ("images", "latents", "trajectory", "log_probs")
 
 
-def regenerate(ctx: StageContext, out: Path, selection: Selection, pool: CandidatePool,
-               start: StartingPolicy | None) -> StageOutput:
+def regenerate(
+    ctx: StageContext, out: Path, selection: Selection, pool: CandidatePool, start: StartingPolicy | None
+) -> StageOutput:
     """Regenerate the kept seeds at ``regenerate.steps`` in BF16 (float32 on CPU) with the rollout policy
     ``start``.
 
@@ -35,22 +36,38 @@ def regenerate(ctx: StageContext, out: Path, selection: Selection, pool: Candida
         policy = ctx.load_policy(start)
         noise_level = ctx.cfg.sde_noise_level()
         with rollout_network(policy, "bf16") as net:
-            traj = generate(policy.model, net, ordered["prompt"].tolist(), ordered["seed"].tolist(),
-                            ctx.cfg.regenerate.steps, ctx.cfg.regenerate.batch_size, desc="regenerate bf16",
-                            noise_level=noise_level, sde_window=ctx.cfg.regenerate.sde_window)
+            traj = generate(
+                policy.model,
+                net,
+                ordered["prompt"].tolist(),
+                ordered["seed"].tolist(),
+                ctx.cfg.regenerate.steps,
+                ctx.cfg.regenerate.batch_size,
+                desc="regenerate bf16",
+                noise_level=noise_level,
+                sde_window=ctx.cfg.regenerate.sde_window,
+            )
         images = policy.model.decode(traj.samples)
-        arrays = {"images": images.reshape(P, k, *images.shape[1:]),
-                  **trajectory_arrays(traj, (P, k), noise_level > 0)}
+        arrays = {"images": images.reshape(P, k, *images.shape[1:]), **trajectory_arrays(traj, (P, k), noise_level > 0)}
         precision, sde_steps = "bf16", traj.sde.tolist()
     else:
         rows = np.arange(P)[:, None]
         arrays = {name: getattr(pool, name)[rows, kept] for name in _TRAINABLE if getattr(pool, name) is not None}
         precision, sde_steps = pool.attrs["precision"], pool.attrs["sde_steps"]
     groups = ordered.groupby("group", sort=True)
-    Samples(**arrays, seeds=ordered["seed"].to_numpy(np.int64).reshape(P, k), candidate_index=kept,
-            prompt_index=groups["prompt_index"].first().to_numpy(np.int64),
-            attrs={"prompts": groups["prompt"].first().tolist(), "steps": ctx.cfg.regenerate.steps,
-                   "precision": precision, "policy_version": ctx.iteration - 1,
-                   "noise_level": ctx.cfg.sde_noise_level(), "sde_steps": sde_steps,
-                   "regenerated": ctx.cfg.regenerate.enabled}).write(out)
+    Samples(
+        **arrays,
+        seeds=ordered["seed"].to_numpy(np.int64).reshape(P, k),
+        candidate_index=kept,
+        prompt_index=groups["prompt_index"].first().to_numpy(np.int64),
+        attrs={
+            "prompts": groups["prompt"].first().tolist(),
+            "steps": ctx.cfg.regenerate.steps,
+            "precision": precision,
+            "policy_version": ctx.iteration - 1,
+            "noise_level": ctx.cfg.sde_noise_level(),
+            "sde_steps": sde_steps,
+            "regenerated": ctx.cfg.regenerate.enabled,
+        },
+    ).write(out)
     return StageOutput(info={"samples": P * k, "precision": precision})

@@ -22,8 +22,10 @@ def check_runnable(cfg: RunConfig, prompts_sha256: str | None = None) -> None:
     resolve_device(cfg.model.device)
     reason = EXPLORE_BACKENDS.get(cfg.explore.precision).unavailable_reason()
     if reason is not None:
-        raise ConfigError(f"explore.precision={cfg.explore.precision} cannot run here: {reason}; this machine runs: "
-                          f"{', '.join(runnable_precisions())}")
+        raise ConfigError(
+            f"explore.precision={cfg.explore.precision} cannot run here: {reason}; this machine runs: "
+            f"{', '.join(runnable_precisions())}"
+        )
     model_family(cfg.model).check_runnable(cfg.model)
     train, evaluation = cfg.train_prompts(), cfg.eval_prompts()
     try:
@@ -34,6 +36,8 @@ def check_runnable(cfg: RunConfig, prompts_sha256: str | None = None) -> None:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if prompts_sha256 is not None and cfg.prompts_digest() != prompts_sha256:
-        raise ConfigError(f"the prompt files ({cfg.campaign.prompts_file}, {cfg.campaign.eval_prompts_file}) changed "
-                          f"since the run was created, and its committed stages used the old prompts; restore "
-                          f"the files or start a new run")
+        raise ConfigError(
+            f"the prompt files ({cfg.campaign.prompts_file}, {cfg.campaign.eval_prompts_file}) changed "
+            f"since the run was created, and its committed stages used the old prompts; restore "
+            f"the files or start a new run"
+        )

@@ -14,27 +14,38 @@ from solrl.storage.artifacts import CandidatePool, ExploreRewards, FidelityTable
 from solrl.storage.stage import StageOutput
 
 
-def score_images(ctx: StageContext, images: np.ndarray, prompts: list[str], names: dict[str, float]
-                 ) -> dict[str, np.ndarray]:
+def score_images(
+    ctx: StageContext, images: np.ndarray, prompts: list[str], names: dict[str, float]
+) -> dict[str, np.ndarray]:
     """Rewards of uint8 ``[B, H, W, 3]`` images: name -> float32 ``[B]``. RewardError on NaN."""
     rewards = {name: (build_reward(name, ctx.device), weight) for name, weight in names.items()}
     return score_all(rewards, images, prompts)
 
 
-def rewards_table(pool: CandidatePool, candidate_index: np.ndarray, values: dict[str, np.ndarray],
-                  weights: dict[str, float]) -> pd.DataFrame:
+def rewards_table(
+    pool: CandidatePool, candidate_index: np.ndarray, values: dict[str, np.ndarray], weights: dict[str, float]
+) -> pd.DataFrame:
     """Long table: one row per (candidate, reward): group, prompt_index, prompt, candidate_index, seed, reward,
     value, weight, weighted (= value * weight), precision. ``candidate_index`` int ``[P, N]``."""
     P, N = pool.seeds.shape
     frames = []
     for name, value in values.items():
-        frames.append(pd.DataFrame({
-            "group": np.repeat(np.arange(P), N), "prompt_index": np.repeat(pool.prompt_index, N),
-            "prompt": np.repeat(np.array(pool.prompts, dtype=object), N),
-            "candidate_index": candidate_index.reshape(-1).astype(np.int64), "seed": pool.seeds.reshape(-1),
-            "reward": name, "value": value.astype(np.float32), "weight": np.float32(weights[name]),
-            "weighted": (value * weights[name]).astype(np.float32), "precision": pool.attrs["precision"],
-        }))
+        frames.append(
+            pd.DataFrame(
+                {
+                    "group": np.repeat(np.arange(P), N),
+                    "prompt_index": np.repeat(pool.prompt_index, N),
+                    "prompt": np.repeat(np.array(pool.prompts, dtype=object), N),
+                    "candidate_index": candidate_index.reshape(-1).astype(np.int64),
+                    "seed": pool.seeds.reshape(-1),
+                    "reward": name,
+                    "value": value.astype(np.float32),
+                    "weight": np.float32(weights[name]),
+                    "weighted": (value * weights[name]).astype(np.float32),
+                    "precision": pool.attrs["precision"],
+                }
+            )
+        )
     return pd.concat(frames, ignore_index=True)
 
 
@@ -45,8 +56,12 @@ def _score_pool(ctx: StageContext, pool: CandidatePool) -> dict[str, np.ndarray]
 
 
 def _summary(prefix: str, total: np.ndarray) -> dict[str, float]:
-    return {f"{prefix}/reward_mean": float(total.mean()), f"{prefix}/reward_std": float(total.std()),
-            f"{prefix}/reward_max": float(total.max()), f"{prefix}/reward_min": float(total.min())}
+    return {
+        f"{prefix}/reward_mean": float(total.mean()),
+        f"{prefix}/reward_std": float(total.std()),
+        f"{prefix}/reward_max": float(total.max()),
+        f"{prefix}/reward_min": float(total.min()),
+    }
 
 
 def score_explore(ctx: StageContext, out: Path, pool: CandidatePool) -> StageOutput:
@@ -62,8 +77,9 @@ def score_regenerate(ctx: StageContext, out: Path, samples: Samples, selection: 
     """Reward the BF16 regenerations; these rewards make the advantages. Also logs proxy fidelity: explore vs
     BF16 rewards of the same kept seeds (DESIGN 2). Writes ``RegeneratedRewards`` and ``FidelityTable``."""
     P, k = samples.seeds.shape
-    rewards = RegeneratedRewards(rewards_table(samples, samples.candidate_index, _score_pool(ctx, samples),
-                                               ctx.cfg.reward.weights))
+    rewards = RegeneratedRewards(
+        rewards_table(samples, samples.candidate_index, _score_pool(ctx, samples), ctx.cfg.reward.weights)
+    )
     rewards.write(out)
     # Paired explore rewards of the kept seeds, in the regenerated order.
     explore_kept = selection.ordered["explore_reward"].to_numpy(np.float32).reshape(P, k)
@@ -78,8 +94,12 @@ def score_regenerate(ctx: StageContext, out: Path, samples: Samples, selection: 
     warnings = []
     bound = ctx.cfg.fidelity.min_spearman
     if bound is not None and not fidelity["spearman"] >= bound:
-        action = ("the next iteration explores in bf16" if ctx.cfg.fidelity.on_low == "bf16"
-                  else "explore stays as configured (fidelity.on_low=warn)")
-        warnings.append(f"proxy fidelity Spearman {fidelity['spearman']:.3f} is below fidelity.min_spearman="
-                        f"{bound}; {action}")
+        action = (
+            "the next iteration explores in bf16"
+            if ctx.cfg.fidelity.on_low == "bf16"
+            else "explore stays as configured (fidelity.on_low=warn)"
+        )
+        warnings.append(
+            f"proxy fidelity Spearman {fidelity['spearman']:.3f} is below fidelity.min_spearman={bound}; {action}"
+        )
     return StageOutput(metrics=metrics, info={"warnings": warnings})

@@ -25,20 +25,35 @@ def select(ctx: StageContext, out: Path, pool: CandidatePool, scores: ExploreRew
     index, kept_as = select_seeds(rewards, cfg.k, cfg.strategy, seed=ctx.seed("select"))  # [P, k]
     ranks = pool_ranks(rewards)
     rows = np.arange(P)[:, None]
-    Selection(pd.DataFrame({
-        "group": np.repeat(np.arange(P), cfg.k), "slot": np.tile(np.arange(cfg.k), P),
-        "prompt_index": np.repeat(pool.prompt_index, cfg.k),
-        "prompt": np.repeat(np.array(pool.prompts, dtype=object), cfg.k),
-        "candidate_index": index.reshape(-1), "seed": pool.seeds[rows, index].reshape(-1),
-        "rank": ranks[rows, index].reshape(-1), "explore_reward": rewards[rows, index].reshape(-1),
-        "kept_as": kept_as.reshape(-1),
-    })).write(out)
+    Selection(
+        pd.DataFrame(
+            {
+                "group": np.repeat(np.arange(P), cfg.k),
+                "slot": np.tile(np.arange(cfg.k), P),
+                "prompt_index": np.repeat(pool.prompt_index, cfg.k),
+                "prompt": np.repeat(np.array(pool.prompts, dtype=object), cfg.k),
+                "candidate_index": index.reshape(-1),
+                "seed": pool.seeds[rows, index].reshape(-1),
+                "rank": ranks[rows, index].reshape(-1),
+                "explore_reward": rewards[rows, index].reshape(-1),
+                "kept_as": kept_as.reshape(-1),
+            }
+        )
+    ).write(out)
     shown = min(ctx.cfg.tracking.grid_prompts, P)
     if shown:  # rows: prompts; columns: kept seeds, best first, a red rule before the worst
         best_worst = cfg.strategy == "best_worst"
-        save_grid(pool.images[rows[:shown], index[:shown]], out / GRID, row_labels=pool.prompts[:shown],
-                  column_labels=["best"] + [""] * (cfg.k // 2 - 1) + ["worst"] if best_worst else (),
-                  split=cfg.k // 2 if best_worst else None)
+        save_grid(
+            pool.images[rows[:shown], index[:shown]],
+            out / GRID,
+            row_labels=pool.prompts[:shown],
+            column_labels=["best"] + [""] * (cfg.k // 2 - 1) + ["worst"] if best_worst else (),
+            split=cfg.k // 2 if best_worst else None,
+        )
     kept = rewards[rows, index]
-    return StageOutput(metrics={"select/kept_reward_mean": float(kept.mean()),
-                                "select/kept_reward_spread": float((kept.max(1) - kept.min(1)).mean())})
+    return StageOutput(
+        metrics={
+            "select/kept_reward_mean": float(kept.mean()),
+            "select/kept_reward_spread": float((kept.max(1) - kept.min(1)).mean()),
+        }
+    )

@@ -14,7 +14,14 @@ from solrl.stages.losses.advantages import Advantages, group_advantages, prompt_
 from solrl.stages.losses.base import Batch
 from solrl.stages.models.policy import ADAPTERS, Policy
 from solrl.stages.sampling.samplers import batched
-from solrl.storage.artifacts import RegeneratedRewards, RewardStats, Samples, StartingPolicy, TrainedState, UpdateMetrics
+from solrl.storage.artifacts import (
+    RegeneratedRewards,
+    RewardStats,
+    Samples,
+    StartingPolicy,
+    TrainedState,
+    UpdateMetrics,
+)
 from solrl.storage.checkpoints import optimizer_from_tensors, optimizer_to_tensors
 from solrl.storage.stage import StageOutput
 
@@ -22,8 +29,9 @@ from solrl.storage.stage import StageOutput
 MICRO_BATCH = 64
 
 
-def advantages(ctx: StageContext, prompts: list[str], rewards: np.ndarray, stats: RewardStats | None,
-               out: Path) -> Advantages:
+def advantages(
+    ctx: StageContext, prompts: list[str], rewards: np.ndarray, stats: RewardStats | None, out: Path
+) -> Advantages:
     """The advantages ``[P, k]`` of this iteration's rewards under ``train.advantage_stats``.
 
     ``per_prompt`` continues the buffers ``stats`` the previous iteration's update committed (None at iteration
@@ -33,11 +41,20 @@ def advantages(ctx: StageContext, prompts: list[str], rewards: np.ndarray, stats
     tc = ctx.cfg.train
     if tc.advantage_stats == "group":
         return group_advantages(rewards, global_std=tc.global_std, clip=tc.adv_clip_max)
-    adv, updated = prompt_history_advantages(rewards, prompts, stats.history() if stats else {},
-                                             buffer_size=tc.stat_buffer, min_count=tc.stat_min_count,
-                                             global_std=tc.global_std, clip=tc.adv_clip_max)
-    RewardStats(pd.DataFrame({"prompt": [p for p, v in updated.items() for _ in v],
-                              "reward": np.concatenate(list(updated.values()))})).write(out)
+    adv, updated = prompt_history_advantages(
+        rewards,
+        prompts,
+        stats.history() if stats else {},
+        buffer_size=tc.stat_buffer,
+        min_count=tc.stat_min_count,
+        global_std=tc.global_std,
+        clip=tc.adv_clip_max,
+    )
+    RewardStats(
+        pd.DataFrame(
+            {"prompt": [p for p, v in updated.items() for _ in v], "reward": np.concatenate(list(updated.values()))}
+        )
+    ).write(out)
     return adv
 
 
@@ -50,13 +67,26 @@ def load_batch(ctx: StageContext, policy: Policy, samples: Samples, advantages: 
     def flat(a: np.ndarray | None) -> torch.Tensor | None:  # [P, k, ...] -> [B, ...] on the device
         return None if a is None else torch.from_numpy(np.asarray(a)).reshape(P * k, *a.shape[2:]).to(device)
 
-    return Batch(flat(samples.latents), torch.from_numpy(advantages.reshape(-1)).to(device), emb, mask,
-                 model.sigmas(ctx.cfg.regenerate.steps), flat(samples.trajectory), flat(samples.log_probs),
-                 [bool(s) for s in samples.attrs["sde_steps"]])
+    return Batch(
+        flat(samples.latents),
+        torch.from_numpy(advantages.reshape(-1)).to(device),
+        emb,
+        mask,
+        model.sigmas(ctx.cfg.regenerate.steps),
+        flat(samples.trajectory),
+        flat(samples.log_probs),
+        [bool(s) for s in samples.attrs["sde_steps"]],
+    )
 
 
-def update(ctx: StageContext, out: Path, samples: Samples, rewards: RegeneratedRewards, stats: RewardStats | None,
-           start: StartingPolicy | None) -> StageOutput:
+def update(
+    ctx: StageContext,
+    out: Path,
+    samples: Samples,
+    rewards: RegeneratedRewards,
+    stats: RewardStats | None,
+    start: StartingPolicy | None,
+) -> StageOutput:
     """``train.optimizer_steps`` AdamW steps of the policy loss (a registered ``train.loss``) on the group
     samples, starting from the policy, optimizer and step of ``start``.
 
@@ -101,8 +131,9 @@ def update(ctx: StageContext, out: Path, samples: Samples, rewards: RegeneratedR
                     acc[key] = acc.get(key, 0.0) + value * weight
         grad_norm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip).item()
         if not np.isfinite(grad_norm):
-            raise FloatingPointError(f"iteration {ctx.iteration}: non-finite grad norm {grad_norm}; "
-                                     f"lower train.lr or check the rewards")
+            raise FloatingPointError(
+                f"iteration {ctx.iteration}: non-finite grad norm {grad_norm}; lower train.lr or check the rewards"
+            )
         opt.step()
         step += 1
         decay = loss_fn.rollout_decay(step, tc)
@@ -111,12 +142,21 @@ def update(ctx: StageContext, out: Path, samples: Samples, rewards: RegeneratedR
         rows.append({"optimizer_step": step, **acc, "grad_norm": grad_norm, "rollout_decay": decay})
 
     tensors, groups = optimizer_to_tensors(opt)
-    TrainedState({**{name: policy.state_dict(name) for name in ADAPTERS}, "optimizer": tensors,
-                  "rng": {"update": g.get_state()}},
-                 {"global_step": step, "optimizer_param_groups": groups}).write(out)
+    TrainedState(
+        {
+            **{name: policy.state_dict(name) for name in ADAPTERS},
+            "optimizer": tensors,
+            "rng": {"update": g.get_state()},
+        },
+        {"global_step": step, "optimizer_param_groups": groups},
+    ).write(out)
     table = pd.DataFrame(rows)
     UpdateMetrics(table).write(out)
     metrics = {f"train/{c}": float(table[c].mean()) for c in table.columns if c != "optimizer_step"}
-    metrics |= {"train/adv_abs_mean": float(np.abs(adv.values).mean()), "train/zero_std_ratio": adv.zero_std_ratio,
-                "train/on_policy_max_dev": float(on_policy_dev or 0.0), "train/global_step": step}
+    metrics |= {
+        "train/adv_abs_mean": float(np.abs(adv.values).mean()),
+        "train/zero_std_ratio": adv.zero_std_ratio,
+        "train/on_policy_max_dev": float(on_policy_dev or 0.0),
+        "train/global_step": step,
+    }
     return StageOutput(metrics=metrics)

@@ -92,8 +92,11 @@ class ZarrArtifact(Artifact):
     attrs: dict[str, Any] = field(default_factory=dict)
 
     def arrays(self) -> dict[str, np.ndarray]:
-        return {f.name: getattr(self, f.name) for f in fields(self)
-                if f.name in self.dims and getattr(self, f.name) is not None}
+        return {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if f.name in self.dims and getattr(self, f.name) is not None
+        }
 
     def write(self, out: Path) -> None:
         arrays = self.arrays()
@@ -102,8 +105,10 @@ class ZarrArtifact(Artifact):
             raise ValueError(f"{type(self).__name__}: required arrays missing: {missing}")
         lead = {a.shape[0] for a in arrays.values()}
         if len(lead) > 1:
-            raise ValueError(f"{type(self).__name__}: arrays disagree on the prompt axis: "
-                             f"{ {k: v.shape for k, v in arrays.items()} }")
+            raise ValueError(
+                f"{type(self).__name__}: arrays disagree on the prompt axis: "
+                f"{ {k: v.shape for k, v in arrays.items()} }"
+            )
         group = zarr.open_group(str(out / self.filename), mode="w-")
         for name, data in arrays.items():
             data = np.ascontiguousarray(data)
@@ -111,8 +116,7 @@ class ZarrArtifact(Artifact):
             if len(dims) != data.ndim:
                 raise ValueError(f"{type(self).__name__}.{name}: shape {data.shape} does not match dims {dims}")
             chunks = (1, *data.shape[1:]) if data.ndim > 1 else data.shape
-            array = group.create_array(name, shape=data.shape, dtype=data.dtype, chunks=chunks,
-                                       dimension_names=dims)
+            array = group.create_array(name, shape=data.shape, dtype=data.dtype, chunks=chunks, dimension_names=dims)
             array[...] = data
         group.attrs.update(self.attrs)
 
@@ -141,9 +145,13 @@ class CandidatePool(ZarrArtifact):
     stage: ClassVar[str] = "explore"
     filename: ClassVar[str] = "candidates.zarr"
     dims: ClassVar[dict[str, tuple[str, ...]]] = {
-        "images": ("prompt", "candidate", *_IMAGE), "seeds": ("prompt", "candidate"), "prompt_index": ("prompt",),
-        "latents": ("prompt", "candidate", *_LATENT), "trajectory": ("prompt", "candidate", "point", *_LATENT),
-        "log_probs": ("prompt", "candidate", "step")}
+        "images": ("prompt", "candidate", *_IMAGE),
+        "seeds": ("prompt", "candidate"),
+        "prompt_index": ("prompt",),
+        "latents": ("prompt", "candidate", *_LATENT),
+        "trajectory": ("prompt", "candidate", "point", *_LATENT),
+        "log_probs": ("prompt", "candidate", "step"),
+    }
     required: ClassVar[tuple[str, ...]] = ("images", "seeds", "prompt_index")
     images: np.ndarray | None = None
     seeds: np.ndarray | None = None
@@ -163,9 +171,14 @@ class Samples(CandidatePool):
     stage: ClassVar[str] = "regenerate"
     filename: ClassVar[str] = "samples.zarr"
     dims: ClassVar[dict[str, tuple[str, ...]]] = {
-        "images": ("prompt", "slot", *_IMAGE), "seeds": ("prompt", "slot"), "candidate_index": ("prompt", "slot"),
-        "prompt_index": ("prompt",), "latents": ("prompt", "slot", *_LATENT),
-        "trajectory": ("prompt", "slot", "point", *_LATENT), "log_probs": ("prompt", "slot", "step")}
+        "images": ("prompt", "slot", *_IMAGE),
+        "seeds": ("prompt", "slot"),
+        "candidate_index": ("prompt", "slot"),
+        "prompt_index": ("prompt",),
+        "latents": ("prompt", "slot", *_LATENT),
+        "trajectory": ("prompt", "slot", "point", *_LATENT),
+        "log_probs": ("prompt", "slot", "step"),
+    }
     required: ClassVar[tuple[str, ...]] = ("images", "seeds", "candidate_index", "prompt_index", "latents")
     candidate_index: np.ndarray | None = None
 
@@ -178,7 +191,10 @@ class EvalSamples(ZarrArtifact):
     stage: ClassVar[str] = "evaluate"
     filename: ClassVar[str] = "samples.zarr"
     dims: ClassVar[dict[str, tuple[str, ...]]] = {
-        "images": ("prompt", "sample", *_IMAGE), "seeds": ("prompt", "sample"), "prompt_index": ("prompt",)}
+        "images": ("prompt", "sample", *_IMAGE),
+        "seeds": ("prompt", "sample"),
+        "prompt_index": ("prompt",),
+    }
     required: ClassVar[tuple[str, ...]] = ("images", "seeds", "prompt_index")
     images: np.ndarray | None = None
     seeds: np.ndarray | None = None
@@ -208,8 +224,18 @@ class TableArtifact(Artifact):
         return cls(pq.read_table(path).to_pandas())  # type: ignore[call-arg]
 
 
-_REWARD_COLUMNS = ("group", "prompt_index", "prompt", "candidate_index", "seed", "reward", "value", "weight",
-                   "weighted", "precision")
+_REWARD_COLUMNS = (
+    "group",
+    "prompt_index",
+    "prompt",
+    "candidate_index",
+    "seed",
+    "reward",
+    "value",
+    "weight",
+    "weighted",
+    "precision",
+)
 
 
 @dataclass
@@ -264,8 +290,17 @@ class Selection(TableArtifact):
 
     stage: ClassVar[str] = "select"
     filename: ClassVar[str] = "selection.parquet"
-    columns: ClassVar[tuple[str, ...]] = ("group", "slot", "prompt_index", "prompt", "candidate_index", "seed",
-                                          "rank", "explore_reward", "kept_as")
+    columns: ClassVar[tuple[str, ...]] = (
+        "group",
+        "slot",
+        "prompt_index",
+        "prompt",
+        "candidate_index",
+        "seed",
+        "rank",
+        "explore_reward",
+        "kept_as",
+    )
 
     @property
     def ordered(self) -> pd.DataFrame:
@@ -283,8 +318,16 @@ class AuditPool(TableArtifact):
 
     stage: ClassVar[str] = "audit"
     filename: ClassVar[str] = "pool.parquet"
-    columns: ClassVar[tuple[str, ...]] = ("group", "prompt", "candidate_index", "seed", "explore_reward",
-                                          "bf16_reward", "explore_rank", "bf16_rank")
+    columns: ClassVar[tuple[str, ...]] = (
+        "group",
+        "prompt",
+        "candidate_index",
+        "seed",
+        "explore_reward",
+        "bf16_reward",
+        "explore_rank",
+        "bf16_rank",
+    )
 
 
 @dataclass

@@ -29,8 +29,9 @@ def optimizer_to_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, to
     return tensors, sd["param_groups"]
 
 
-def optimizer_from_tensors(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor],
-                           param_groups: list[dict[str, Any]]) -> None:
+def optimizer_from_tensors(
+    optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], param_groups: list[dict[str, Any]]
+) -> None:
     """Inverse of ``optimizer_to_tensors``; the optimizer must hold the same parameters in the same order."""
     state: dict[int, dict[str, torch.Tensor]] = {}
     for name, value in tensors.items():

@@ -57,18 +57,28 @@ def create_run(cfg: RunConfig, run_id: str | None = None) -> Run:
     run_id = check_run_id(run_id or new_run_id(cfg.name))
     run_dir = Path(cfg.storage.root).expanduser().resolve() / run_id
     if (run_dir / RUN_FILE).exists():
-        raise ConfigError(f"run {run_id!r} already exists in {run_dir.parent}; continue it with `solrl resume {run_id}`")
+        raise ConfigError(
+            f"run {run_id!r} already exists in {run_dir.parent}; continue it with `solrl resume {run_id}`"
+        )
     prompts = cfg.prompts_digest()
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(run_dir / RUN_FILE, {
-            "run_id": run_id, "config": cfg.model_dump(mode="json"), "config_hash": cfg.digest(),
-            "prompts_sha256": prompts, "solrl_version": __version__,
-            "created": datetime.now(timezone.utc).isoformat(),
-        })
+        write_json_atomic(
+            run_dir / RUN_FILE,
+            {
+                "run_id": run_id,
+                "config": cfg.model_dump(mode="json"),
+                "config_hash": cfg.digest(),
+                "prompts_sha256": prompts,
+                "solrl_version": __version__,
+                "created": datetime.now(timezone.utc).isoformat(),
+            },
+        )
     except OSError as exc:
-        raise ConfigError(f"cannot create run {run_id!r} in {run_dir.parent} ({exc.strerror or exc}); set "
-                          f"storage.root to a writable folder") from None
+        raise ConfigError(
+            f"cannot create run {run_id!r} in {run_dir.parent} ({exc.strerror or exc}); set "
+            f"storage.root to a writable folder"
+        ) from None
     return Run(run_id, run_dir, cfg, cfg.digest(), prompts)
 
 
@@ -113,11 +123,19 @@ def list_runs(root: str | Path) -> list[dict[str, object]]:
             committed = sorted((p.stat().st_mtime, p.parent.name) for p in iterations[-1].glob(f"*/{MANIFEST}"))
             last = f"iter {int(iterations[-1].name[5:])}: {committed[-1][1]}" if committed else ""
         config = data.get("config", {})
-        rows.append({"run_id": data.get("run_id", run_file.parent.name), "created": data.get("created", ""),
-                     "iterations_done": len(done), "iterations": config.get("campaign", {}).get("iterations", "?"),
-                     "last_stage": last, "explore": "{precision} pool {pool_size}".format(
-                         **{"precision": "?", "pool_size": "?", **config.get("explore", {})}),
-                     "path": str(run_file.parent)})
+        rows.append(
+            {
+                "run_id": data.get("run_id", run_file.parent.name),
+                "created": data.get("created", ""),
+                "iterations_done": len(done),
+                "iterations": config.get("campaign", {}).get("iterations", "?"),
+                "last_stage": last,
+                "explore": "{precision} pool {pool_size}".format(
+                    **{"precision": "?", "pool_size": "?", **config.get("explore", {})}
+                ),
+                "path": str(run_file.parent),
+            }
+        )
     return sorted(rows, key=lambda r: str(r["created"]))
 
 
@@ -133,8 +151,10 @@ def run_lock(run_dir: Path) -> Iterator[None]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise ConfigError(f"run {Path(run_dir).name!r} is being written by another process; wait for it "
-                              f"or stop it, then `solrl resume {Path(run_dir).name}`") from None
+            raise ConfigError(
+                f"run {Path(run_dir).name!r} is being written by another process; wait for it "
+                f"or stop it, then `solrl resume {Path(run_dir).name}`"
+            ) from None
         yield
     finally:
         os.close(fd)

@@ -52,8 +52,9 @@ class StageManifest(BaseModel):
 
     def digest(self) -> str:
         """sha256 over the inputs hash and every file checksum: what downstream stages hash as their input."""
-        payload = json.dumps({"inputs": self.inputs_hash, "files": {k: v.sha256 for k, v in self.files.items()}},
-                             sort_keys=True)
+        payload = json.dumps(
+            {"inputs": self.inputs_hash, "files": {k: v.sha256 for k, v in self.files.items()}}, sort_keys=True
+        )
         return hashlib.sha256(payload.encode()).hexdigest()
 
 
@@ -73,11 +74,17 @@ def stage_dir(run_dir: Path, iteration: int, stage: str) -> Path:
     return iteration_dir(run_dir, iteration) / stage
 
 
-def inputs_hash(run_id: str, iteration: int, stage: str, config_digest: str,
-                upstream: dict[str, StageManifest | None]) -> str:
+def inputs_hash(
+    run_id: str, iteration: int, stage: str, config_digest: str, upstream: dict[str, StageManifest | None]
+) -> str:
     """The cache key of a stage: (run id, iteration, stage, config hash, upstream manifest digests)."""
-    payload = {"run_id": run_id, "iteration": iteration, "stage": stage, "config": config_digest,
-               "upstream": {k: (m.digest() if m else None) for k, m in sorted(upstream.items())}}
+    payload = {
+        "run_id": run_id,
+        "iteration": iteration,
+        "stage": stage,
+        "config": config_digest,
+        "upstream": {k: (m.digest() if m else None) for k, m in sorted(upstream.items())},
+    }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
@@ -167,8 +174,9 @@ def _remove(path: Path) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
-def commit(run_dir: Path, run_id: str, iteration: int, stage: str, key: str,
-           write: Callable[[Path], StageOutput]) -> StageManifest:
+def commit(
+    run_dir: Path, run_id: str, iteration: int, stage: str, key: str, write: Callable[[Path], StageOutput]
+) -> StageManifest:
     """Run ``write(tmp_dir)`` and commit what it wrote as the stage's output.
 
     Steps: write into a fresh temporary sibling; fsync; move any previous (uncommitted or stale) directory
@@ -189,16 +197,23 @@ def commit(run_dir: Path, run_id: str, iteration: int, stage: str, key: str,
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     manifest = StageManifest(
-        run_id=run_id, iteration=iteration, stage=stage, inputs_hash=key, files=files,
-        metrics={k: float(v) for k, v in output.metrics.items()}, info=output.info,
-        seconds=round(time.perf_counter() - start, 4), created=datetime.now(timezone.utc).isoformat(),
+        run_id=run_id,
+        iteration=iteration,
+        stage=stage,
+        inputs_hash=key,
+        files=files,
+        metrics={k: float(v) for k, v in output.metrics.items()},
+        info=output.info,
+        seconds=round(time.perf_counter() - start, 4),
+        created=datetime.now(timezone.utc).isoformat(),
     )
     write_json_atomic(final / MANIFEST, manifest.model_dump(mode="json"))
     return manifest
 
 
-def run_or_skip(run_dir: Path, run_id: str, iteration: int, stage: str, key: str,
-                write: Callable[[Path], StageOutput]) -> tuple[StageManifest, bool]:
+def run_or_skip(
+    run_dir: Path, run_id: str, iteration: int, stage: str, key: str, write: Callable[[Path], StageOutput]
+) -> tuple[StageManifest, bool]:
     """Commit the stage unless a committed manifest with inputs hash ``key`` exists.
 
     Returns:

@@ -50,8 +50,9 @@ def _store_lock(root: Path) -> Iterator[None]:
 def _git_commit() -> str | None:
     """The commit of the solrl checkout this code runs from, when it is one (provenance); else None."""
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
-                             capture_output=True, text=True, timeout=5)
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, capture_output=True, text=True, timeout=5
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() if out.returncode == 0 else None
@@ -98,12 +99,21 @@ class Tracker:
         if stored.get("mlflow_run_id") and stored.get("tracking_uri") == self.uri:
             self.mlflow_run_id = stored["mlflow_run_id"]
         else:
-            created = client.create_run(experiment_id, run_name=run_id, tags={
-                "solrl.run_id": run_id, "solrl.run_dir": str(run_dir), "solrl.version": __version__,
-                **({"mlflow.source.git.commit": commit} if (commit := _git_commit()) else {})})
+            created = client.create_run(
+                experiment_id,
+                run_name=run_id,
+                tags={
+                    "solrl.run_id": run_id,
+                    "solrl.run_dir": str(run_dir),
+                    "solrl.version": __version__,
+                    **({"mlflow.source.git.commit": commit} if (commit := _git_commit()) else {}),
+                },
+            )
             self.mlflow_run_id = created.info.run_id
-            write_json_atomic(state_file, {"mlflow_run_id": self.mlflow_run_id, "tracking_uri": self.uri,
-                                           "experiment_id": experiment_id})
+            write_json_atomic(
+                state_file,
+                {"mlflow_run_id": self.mlflow_run_id, "tracking_uri": self.uri, "experiment_id": experiment_id},
+            )
             params = _flatten(cfg.model_dump(mode="json", exclude={"base_dir"}))
             for key, value in params.items():
                 client.log_param(self.mlflow_run_id, key, str(value)[:6000])
@@ -119,7 +129,7 @@ class Tracker:
         now = int(time.time() * 1000)
         batch = [Metric(key=k, value=float(v), timestamp=now, step=step) for k, v in metrics.items()]
         for i in range(0, len(batch), 900):
-            self.client.log_batch(self.mlflow_run_id, metrics=batch[i: i + 900])
+            self.client.log_batch(self.mlflow_run_id, metrics=batch[i : i + 900])
         for key in metrics:
             if key in self._steps:
                 self._steps[key].add(step)

@@ -26,8 +26,14 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 #: Overrides that make a tiny-digits run take seconds: 2 prompts x pool 8, keep 4, 2 iterations,
 #: a full-pool fidelity audit at iteration 2.
 TINY = [
-    "explore.pool_size=8", "select.k=4", "campaign.prompts_per_iteration=2", "campaign.eval_seeds=2",
-    "campaign.iterations=2", "train.optimizer_steps=2", "tracking.grid_prompts=2", "fidelity.audit_every=2",
+    "explore.pool_size=8",
+    "select.k=4",
+    "campaign.prompts_per_iteration=2",
+    "campaign.eval_seeds=2",
+    "campaign.iterations=2",
+    "train.optimizer_steps=2",
+    "tracking.grid_prompts=2",
+    "fidelity.audit_every=2",
 ]
 
 

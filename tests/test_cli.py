@@ -12,16 +12,22 @@ from solrl.cli import app
 runner = CliRunner()
 
 
-@pytest.mark.parametrize(("args", "match"), [
-    (["run", "no-such-preset"], "no preset or file named 'no-such-preset'"),
-    (["run", "--set", "select.k=7"], "select.k=7 must be even"),
-    (["run", "--set", "select.k=64"], "exceeds explore.pool_size=32"),
-    (["run", "--set", "explore.pool_sise=8"], "explore.pool_sise: unknown key"),
-    (["run", "--set", "explore.precision=int3"], "explore.precision: unknown explore precision 'int3'; registered: bf16"),
-    (["run", "--set", "explore.precision=nvfp4"], "explore.precision=nvfp4 cannot run here"),
-    (["run", "--set", "campaign.prompts_file=/nope.txt"], "cannot read prompt file '/nope.txt'"),
-    (["run", "--run-id", "../escape"], "run id '../escape' must be"),
-])
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (["run", "no-such-preset"], "no preset or file named 'no-such-preset'"),
+        (["run", "--set", "select.k=7"], "select.k=7 must be even"),
+        (["run", "--set", "select.k=64"], "exceeds explore.pool_size=32"),
+        (["run", "--set", "explore.pool_sise=8"], "explore.pool_sise: unknown key"),
+        (
+            ["run", "--set", "explore.precision=int3"],
+            "explore.precision: unknown explore precision 'int3'; registered: bf16",
+        ),
+        (["run", "--set", "explore.precision=nvfp4"], "explore.precision=nvfp4 cannot run here"),
+        (["run", "--set", "campaign.prompts_file=/nope.txt"], "cannot read prompt file '/nope.txt'"),
+        (["run", "--run-id", "../escape"], "run id '../escape' must be"),
+    ],
+)
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path: Path, args, match):
     store = tmp_path / "store"
     result = runner.invoke(app, [*args, "--set", f"storage.root={store}"])
@@ -69,8 +75,12 @@ def test_a_run_made_on_a_gpu_machine_lists_and_reports_here_but_does_not_continu
     # As if made on a Blackwell machine: the config is valid anywhere; one committed stage to report.
     cfg = tiny_config(tmp_path / "store", setting)
     run = create_run(cfg, "from-gpu")
-    run_stage(StageContext(cfg.model_copy(update={"model": cfg.model.model_copy(update={"device": "cpu"})}),
-                           run.run_dir, run.run_id, 0), "evaluate")
+    run_stage(
+        StageContext(
+            cfg.model_copy(update={"model": cfg.model.model_copy(update={"device": "cpu"})}), run.run_dir, run.run_id, 0
+        ),
+        "evaluate",
+    )
     store = str(tmp_path / "store")
     listed = runner.invoke(app, ["ls", "--store", store])
     assert listed.exit_code == 0 and "from-gpu" in listed.stdout, listed.output

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from solrl.stages.runnable import check_runnable
 from solrl.config import ConfigError, RunConfig, list_presets, load_config
+from solrl.stages.runnable import check_runnable
 
 
 def test_default_preset_is_tiny_digits_and_valid():
@@ -32,37 +32,50 @@ def test_config_is_frozen_and_hash_changes_with_values():
     assert a.digest() == load_config().digest()
 
 
-@pytest.mark.parametrize(("overrides", "match"), [
-    (["select.k=7"], r"select.k=7 must be even.*set select.k=8"),
-    (["select.k=40"], r"select.k=40 exceeds explore.pool_size=32"),
-    (["explore.precision=fp3"], r"explore.precision: unknown explore precision 'fp3'; registered: bf16, fp8,"),
-    (["model.family=sdxl"], r"model.family: unknown model family 'sdxl'; registered: .*tiny-digits"),
-    (["train.loss=dpo"], r"train.loss: unknown loss 'dpo'; registered: flow_grpo, nft"),
-    (["explore.pool_sise=8"], r"explore.pool_sise: unknown key; known keys here: precision, steps, pool_size,"),
-    (["bogus.key=1"], r"bogus: unknown key; known keys here: name, model, explore, select,"),
-    (["explore.steps=0"], r"explore.steps: Input should be greater than or equal to 1"),
-    (["train.timestep_fraction=1.5"], r"train.timestep_fraction: Input should be less than or equal to 1"),
-    (["reward.weights={clipscore: 1.0}"], r"reward.weights: unknown reward 'clipscore'; registered: digit_alignment"),
-    (["reward.evaluate=[aesthetic]"], r"reward.evaluate: unknown reward 'aesthetic'"),
-    (["train.loss=flow_grpo", "regenerate.steps=1"], r"regenerate.steps >= 2.*set regenerate.steps=10"),
-    (["explore.pool_size"], r"expected section.key=value"),
-    (["train.loss=flow_grpo", "regenerate.noise_level=0"], r"needs an SDE sampler.*set regenerate.noise_level=0.7"),
-    (["train.loss=flow_grpo", "regenerate.enabled=false"], r"explore.steps=6 must equal regenerate.steps=10"),
-    (["train.lr=.inf"], r"train.lr: Input should be a finite number"),
-    (["reward.weights={digit_alignment: .nan}"], r"reward.weights.digit_alignment: Input should be a finite number"),
-    (["train.betas=[2, 3]"], r"train.betas=\[2.0, 3.0\] must both be in \[0, 1\)"),
-    (["explore.steps=yes"], r"explore.steps: expected a number but got True: YAML reads true/false/yes/no/on/off"),
-    (["reward.weights={digit_alignment: on}"],
-     r"reward.weights: expected a number but got \{'digit_alignment': True\}"),
-    (["fidelity.min_spearman=off"], r"fidelity.min_spearman: expected a number.*or null where the key allows it"),
-    (["train.stat_min_count=40"],
-     r"train.stat_min_count=40 exceeds train.stat_buffer=32.*set train.stat_min_count <= 32"),
-    (["train.advantage_stats=history"], r"train.advantage_stats: Input should be 'group' or 'per_prompt'"),
-    (["train.clip_range=0"], r"train.clip_range: Input should be greater than 0"),
-    (["train.timestep_fraction=0"], r"train.timestep_fraction: Input should be greater than 0"),
-    (["regenerate.sde_window=[3, 2]"], r"regenerate.sde_window=\[3, 2\] must satisfy 0 <= start < end <= "),
-    (["regenerate.sde_window=[0, 10]"], r"end <= regenerate.steps - 1 = 9"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        (["select.k=7"], r"select.k=7 must be even.*set select.k=8"),
+        (["select.k=40"], r"select.k=40 exceeds explore.pool_size=32"),
+        (["explore.precision=fp3"], r"explore.precision: unknown explore precision 'fp3'; registered: bf16, fp8,"),
+        (["model.family=sdxl"], r"model.family: unknown model family 'sdxl'; registered: .*tiny-digits"),
+        (["train.loss=dpo"], r"train.loss: unknown loss 'dpo'; registered: flow_grpo, nft"),
+        (["explore.pool_sise=8"], r"explore.pool_sise: unknown key; known keys here: precision, steps, pool_size,"),
+        (["bogus.key=1"], r"bogus: unknown key; known keys here: name, model, explore, select,"),
+        (["explore.steps=0"], r"explore.steps: Input should be greater than or equal to 1"),
+        (["train.timestep_fraction=1.5"], r"train.timestep_fraction: Input should be less than or equal to 1"),
+        (
+            ["reward.weights={clipscore: 1.0}"],
+            r"reward.weights: unknown reward 'clipscore'; registered: digit_alignment",
+        ),
+        (["reward.evaluate=[aesthetic]"], r"reward.evaluate: unknown reward 'aesthetic'"),
+        (["train.loss=flow_grpo", "regenerate.steps=1"], r"regenerate.steps >= 2.*set regenerate.steps=10"),
+        (["explore.pool_size"], r"expected section.key=value"),
+        (["train.loss=flow_grpo", "regenerate.noise_level=0"], r"needs an SDE sampler.*set regenerate.noise_level=0.7"),
+        (["train.loss=flow_grpo", "regenerate.enabled=false"], r"explore.steps=6 must equal regenerate.steps=10"),
+        (["train.lr=.inf"], r"train.lr: Input should be a finite number"),
+        (
+            ["reward.weights={digit_alignment: .nan}"],
+            r"reward.weights.digit_alignment: Input should be a finite number",
+        ),
+        (["train.betas=[2, 3]"], r"train.betas=\[2.0, 3.0\] must both be in \[0, 1\)"),
+        (["explore.steps=yes"], r"explore.steps: expected a number but got True: YAML reads true/false/yes/no/on/off"),
+        (
+            ["reward.weights={digit_alignment: on}"],
+            r"reward.weights: expected a number but got \{'digit_alignment': True\}",
+        ),
+        (["fidelity.min_spearman=off"], r"fidelity.min_spearman: expected a number.*or null where the key allows it"),
+        (
+            ["train.stat_min_count=40"],
+            r"train.stat_min_count=40 exceeds train.stat_buffer=32.*set train.stat_min_count <= 32",
+        ),
+        (["train.advantage_stats=history"], r"train.advantage_stats: Input should be 'group' or 'per_prompt'"),
+        (["train.clip_range=0"], r"train.clip_range: Input should be greater than 0"),
+        (["train.timestep_fraction=0"], r"train.timestep_fraction: Input should be greater than 0"),
+        (["regenerate.sde_window=[3, 2]"], r"regenerate.sde_window=\[3, 2\] must satisfy 0 <= start < end <= "),
+        (["regenerate.sde_window=[0, 10]"], r"end <= regenerate.steps - 1 = 9"),
+    ],
+)
 def test_bad_overrides_raise_one_line_config_error(overrides, match):
     with pytest.raises(ConfigError, match=match) as info:
         load_config(None, overrides)
@@ -114,11 +127,17 @@ def test_the_default_preset_runs_here():
     runnable()
 
 
-@pytest.mark.parametrize(("overrides", "match"), [
-    (["model.path=/nonexistent"], r"model.path: /nonexistent/transformer/config.json is missing \(tiny-digits "
-                                  r"weights\); weights: shipped with solrl; rebuild with"),
-    (["campaign.prompts_file=/nonexistent/prompts.txt"], r"campaign.prompts_file: cannot read prompt file"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        (
+            ["model.path=/nonexistent"],
+            r"model.path: /nonexistent/transformer/config.json is missing \(tiny-digits "
+            r"weights\); weights: shipped with solrl; rebuild with",
+        ),
+        (["campaign.prompts_file=/nonexistent/prompts.txt"], r"campaign.prompts_file: cannot read prompt file"),
+    ],
+)
 def test_what_this_machine_lacks_is_refused_where_work_starts_not_at_load(overrides, match):
     cfg = load_config(None, overrides)  # the schema is pure: valid anywhere
     with pytest.raises(ConfigError, match=match):
@@ -142,8 +161,11 @@ def test_unreadable_prompt_file(tmp_path: Path):
 @pytest.mark.parametrize("precision", ["nvfp4", "fp8"])
 def test_hardware_precision_without_the_hardware_is_valid_but_refused_where_work_starts(precision):
     cfg = load_config(None, [f"explore.precision={precision}"])
-    with pytest.raises(ConfigError, match=rf"explore.precision={precision} cannot run here: this machine has no "
-                                          r"CUDA device; this machine runs: bf16, fp8_emulated, nvfp4_emulated$"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"explore.precision={precision} cannot run here: this machine has no "
+        r"CUDA device; this machine runs: bf16, fp8_emulated, nvfp4_emulated$",
+    ):
         check_runnable(cfg)
 
 
@@ -158,8 +180,11 @@ def test_prompts_that_name_no_digit_are_refused_where_work_starts_when_a_digit_r
     (tmp_path / "cats.txt").write_text("a handwritten digit two\ndraw a cat\n")
     with pytest.raises(ConfigError, match="prompt 'draw a cat' names no digit, which reward digit_alignment needs"):
         runnable(f"campaign.prompts_file={tmp_path / 'cats.txt'}")
-    runnable(f"campaign.prompts_file={tmp_path / 'cats.txt'}", "reward.weights={jpeg_compressibility: 1.0}",
-             "reward.evaluate=[jpeg_compressibility]")
+    runnable(
+        f"campaign.prompts_file={tmp_path / 'cats.txt'}",
+        "reward.weights={jpeg_compressibility: 1.0}",
+        "reward.evaluate=[jpeg_compressibility]",
+    )
 
 
 def test_a_plugin_registers_under_its_name_and_the_schema_accepts_it():

@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import TINY, tiny_config
+
 from solrl.stages.pipeline import ITERATION, campaign_plan
 from solrl.storage.runs import create_run, list_runs
 from solrl.storage.stage import read_manifest, stage_dir
@@ -42,8 +42,15 @@ def test_two_iteration_campaign_commits_every_stage_logs_mlflow_and_reruns_as_sk
     (mlflow_run,) = client.search_runs(client.get_experiment_by_name("solrl").experiment_id)
     history = client.get_metric_history(mlflow_run.info.run_id, "eval/digit_alignment")
     assert sorted(m.step for m in history) == [0, 1, 2]
-    for key in ("explore/reward_mean", "regenerate/reward_std", "fidelity/spearman", "train/loss",
-                "seconds/explore", "eval/diversity", "audit/best_true_rank"):
+    for key in (
+        "explore/reward_mean",
+        "regenerate/reward_std",
+        "fidelity/spearman",
+        "train/loss",
+        "seconds/explore",
+        "eval/diversity",
+        "audit/best_true_rank",
+    ):
         assert [m.step for m in client.get_metric_history(mlflow_run.info.run_id, key)], key
     artifacts = {a.path for a in client.list_artifacts(mlflow_run.info.run_id)}
     assert {"best_worst", "eval_samples", "checkpoints"} <= artifacts
@@ -65,8 +72,13 @@ def test_sigkill_mid_iteration_then_resume_completes_and_skips_committed_stages(
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PREFECT_LOGGING_LEVEL": "INFO"}
     solrl = [sys.executable, "-m", "solrl.cli"]
     overrides = [a for o in [*TINY, f"storage.root={store}"] for a in ("--set", o)]
-    proc = subprocess.Popen([*solrl, "run", *overrides, "--run-id", "killme"], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [*solrl, "run", *overrides, "--run-id", "killme"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     run_dir = store / "killme"
     deadline = time.time() + 240
     try:
@@ -81,8 +93,9 @@ def test_sigkill_mid_iteration_then_resume_completes_and_skips_committed_stages(
     done_before = {s.name for s in ITERATION if read_manifest(run_dir, 1, s.name)}
     assert {"explore", "score_explore", "select"} <= done_before
 
-    result = subprocess.run([*solrl, "resume", "killme", "--store", str(store)], env=env, capture_output=True,
-                            text=True, timeout=600)
+    result = subprocess.run(
+        [*solrl, "resume", "killme", "--store", str(store)], env=env, capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     log = result.stdout + result.stderr
     for stage in done_before:

@@ -56,5 +56,7 @@ def test_every_package_folder_is_scanned():
 @pytest.mark.parametrize(("module", "path"), modules(), ids=[m for m, _ in modules()])
 def test_no_module_imports_a_higher_layer(module: str, path: Path):
     upward = [name for name in imports(path, module) if layer(name) > layer(module)]
-    assert not upward, f"{module} (layer {layer(module)}) imports {upward}: dependencies point flows -> stages -> " \
-                       f"storage -> solrl config"
+    assert not upward, (
+        f"{module} (layer {layer(module)}) imports {upward}: dependencies point flows -> stages -> "
+        f"storage -> solrl config"
+    )

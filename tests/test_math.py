@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from solrl.stages.metrics.fidelity import pool_agreement, rank_agreement
 from solrl.stages.losses.advantages import ADV_EPS, group_advantages, prompt_history_advantages
 from solrl.stages.losses.nft import nft_loss
-from solrl.stages.sampling.samplers import derive_seed, initial_noise, sample_ode
+from solrl.stages.metrics.fidelity import pool_agreement, rank_agreement
 from solrl.stages.metrics.selection import pool_ranks, select_seeds
+from solrl.stages.sampling.samplers import derive_seed, initial_noise, sample_ode
 
 
 def test_derive_seed_is_stable_distinct_and_int63():
@@ -48,8 +48,10 @@ def test_selection_breaks_ties_by_candidate_index():
     assert index.tolist() == [[0, 5]]
 
 
-@pytest.mark.parametrize(("k", "strategy", "match"), [(3, "best_worst", "even k"), (7, "best_worst", "pool size 6"),
-                                                      (2, "median", "unknown selection strategy")])
+@pytest.mark.parametrize(
+    ("k", "strategy", "match"),
+    [(3, "best_worst", "even k"), (7, "best_worst", "pool size 6"), (2, "median", "unknown selection strategy")],
+)
 def test_selection_errors(k, strategy, match):
     with pytest.raises(ValueError, match=match):
         select_seeds(np.zeros((2, 6)), k, strategy)
@@ -106,8 +108,9 @@ def test_prompt_tracker_centres_on_the_prompt_buffer_once_it_holds_min_count():
 
 def test_prompt_tracker_pools_groups_of_one_prompt_and_skips_a_flat_buffer():
     r = np.array([[0.0, 1.0], [1.0, 2.0], [0.5, 0.5]])
-    adv, updated = prompt_history_advantages(r, ["a", "a", "c"], {"c": np.array([0.5, 0.5])}, buffer_size=8,
-                                             min_count=4, global_std=True)
+    adv, updated = prompt_history_advantages(
+        r, ["a", "a", "c"], {"c": np.array([0.5, 0.5])}, buffer_size=8, min_count=4, global_std=True
+    )
     assert updated["a"].tolist() == [0.0, 1.0, 1.0, 2.0]
     np.testing.assert_allclose(adv.values[:2], (r[:2] - 1.0) / (r.std() + ADV_EPS), rtol=1e-6)
     assert adv.values[2].tolist() == [0.0, 0.0] and adv.zero_std_ratio == pytest.approx(1 / 3)
@@ -148,8 +151,9 @@ def test_nft_gradient_moves_v_theta_toward_the_positive_sample():
 def test_nft_loss_terms_and_kl():
     x0 = torch.zeros(1, 1, 2, 2)
     v = torch.ones(1, 1, 2, 2, requires_grad=True)
-    loss, terms = nft_loss(v, v.detach(), torch.zeros_like(v), x0, x0, torch.tensor([0.5]), torch.tensor([0.0]),
-                           kl_beta=0.1)
+    loss, terms = nft_loss(
+        v, v.detach(), torch.zeros_like(v), x0, x0, torch.tensor([0.5]), torch.tensor([0.0]), kl_beta=0.1
+    )
     # r = 0.5; x0_hat = -0.5 everywhere; w = 0.5; each term 0.25 / 0.5 = 0.5; policy = 5 * (0.25 + 0.25) = 2.5
     assert terms["r_mean"] == pytest.approx(0.5)
     assert terms["policy_loss"] == pytest.approx(2.5)

@@ -11,10 +11,10 @@ from solrl.stages.models import load_model
 from solrl.stages.models import tiny_digits as td
 from solrl.stages.models.policy import Policy
 from solrl.stages.quant import FakeQuantLinear
+from solrl.stages.quant.backends import rollout_network
 from solrl.stages.rewards import RewardError, build_reward
 from solrl.stages.rewards.base import checked
 from solrl.stages.sampling.rollout import generate
-from solrl.stages.quant.backends import rollout_network
 
 
 @pytest.fixture(scope="module")
@@ -69,13 +69,19 @@ def test_blend_moves_rollout_toward_policy_and_merged_copy_matches(policy: Polic
         for p in policy.trainable_parameters():
             p.add_(0.05 * torch.randn_like(p))
     policy.blend_("rollout", "policy", decay=0.0)
-    torch.testing.assert_close(policy.velocity("rollout", x, s, emb, mask),
-                               policy.velocity("policy", x, s, emb, mask).detach())
-    assert not torch.allclose(policy.velocity("rollout", x, s, emb, mask),
-                              policy.velocity("reference", x, s, emb, mask))
+    torch.testing.assert_close(
+        policy.velocity("rollout", x, s, emb, mask), policy.velocity("policy", x, s, emb, mask).detach()
+    )
+    assert not torch.allclose(
+        policy.velocity("rollout", x, s, emb, mask), policy.velocity("reference", x, s, emb, mask)
+    )
     merged = policy.merged_copy("rollout")
-    torch.testing.assert_close(policy.model.velocity(merged, x, s, emb, mask),
-                               policy.velocity("rollout", x, s, emb, mask), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        policy.model.velocity(merged, x, s, emb, mask),
+        policy.velocity("rollout", x, s, emb, mask),
+        rtol=1e-4,
+        atol=1e-5,
+    )
     assert not any("lora" in n for n, _ in merged.named_parameters())
 
 
@@ -92,7 +98,9 @@ def test_nvfp4_explore_copy_quantizes_attention_and_ff_but_not_embedders(policy:
         wrapped = {n for n, m in net.named_modules() if isinstance(m, FakeQuantLinear)}
     assert "transformer_blocks.0.attn1.to_q" in wrapped and "transformer_blocks.2.ff.conv_point" in wrapped
     assert not any(k in n for n in wrapped for k in ("patch_embed", "time_embed", "caption_projection", "proj_out"))
-    with pytest.raises(ValueError, match="unknown explore precision 'fp3'; registered: bf16, fp8, fp8_emulated, nvfp4, nvfp4_emulated"):
+    with pytest.raises(
+        ValueError, match="unknown explore precision 'fp3'; registered: bf16, fp8, fp8_emulated, nvfp4, nvfp4_emulated"
+    ):
         with rollout_network(policy, "fp3"):
             pass
 
@@ -170,5 +178,6 @@ def test_explore_copy_syncs_in_place_and_equals_a_fresh_build(policy: Policy):
     policy.explore_copies.clear()
     fresh = explore_copy(policy, "nvfp4_emulated")
     assert fresh is not first
-    torch.testing.assert_close(policy.model.velocity(synced, x, s, emb, mask),
-                               policy.model.velocity(fresh, x, s, emb, mask), rtol=0, atol=0)
+    torch.testing.assert_close(
+        policy.model.velocity(synced, x, s, emb, mask), policy.model.velocity(fresh, x, s, emb, mask), rtol=0, atol=0
+    )

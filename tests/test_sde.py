@@ -84,6 +84,14 @@ def test_grpo_kl_is_the_gaussian_kl_of_the_step_means():
     from solrl.stages.losses.grpo import grpo_loss
 
     mean, ref = torch.ones(1, 2, 2), torch.zeros(1, 2, 2)
-    _, terms = grpo_loss(torch.zeros(1), torch.zeros(1), torch.zeros(1), clip_range=0.1, mean=mean, ref_mean=ref,
-                         std=torch.tensor([0.5]), kl_beta=1.0)
+    _, terms = grpo_loss(
+        torch.zeros(1),
+        torch.zeros(1),
+        torch.zeros(1),
+        clip_range=0.1,
+        mean=mean,
+        ref_mean=ref,
+        std=torch.tensor([0.5]),
+        kl_beta=1.0,
+    )
     assert abs(terms["kl"] - 1.0 / (2 * 0.25)) < 1e-6

@@ -9,10 +9,10 @@ import torch
 from solrl.stages.context import StageContext
 from solrl.stages.pipeline import ITERATION, run_stage
 from solrl.storage.arrays import read_arrays
+from solrl.storage.artifacts import ExploreRewards, RegeneratedRewards, RewardStats, Samples, StartingPolicy
 from solrl.storage.checkpoints import load_checkpoint
 from solrl.storage.runs import create_run
 from solrl.storage.stage import StageNotCommitted, stage_dir
-from solrl.storage.artifacts import ExploreRewards, RegeneratedRewards, RewardStats, Samples, StartingPolicy
 from solrl.storage.tables import read_table
 
 
@@ -95,8 +95,9 @@ def test_low_fidelity_switches_the_next_explore_to_bf16_when_asked(tmp_path):
 
     cfg = tiny_config(tmp_path, "fidelity.min_spearman=0.5", "fidelity.on_low=bf16")
     run = create_run(cfg, "fallback")
-    commit(run.run_dir, run.run_id, 1, "score_regenerate", "k",
-           lambda out: StageOutput(metrics={"fidelity/spearman": 0.2}))
+    commit(
+        run.run_dir, run.run_id, 1, "score_regenerate", "k", lambda out: StageOutput(metrics={"fidelity/spearman": 0.2})
+    )
     precision, warnings = explore_precision(StageContext(cfg, run.run_dir, run.run_id, 2))
     assert precision == "bf16" and "0.200 < 0.5" in warnings[0]
     warn_only = tiny_config(tmp_path, "fidelity.min_spearman=0.5")
@@ -136,8 +137,12 @@ def test_the_next_iteration_starts_from_the_checkpoint(iteration_one):
 def test_evaluate_logs_every_reward_and_diversity(iteration_one):
     _, manifests = iteration_one
     metrics = manifests["evaluate"].metrics
-    assert set(metrics) == {"eval/digit_alignment", "eval/digit_evaluator", "eval/jpeg_compressibility",
-                            "eval/diversity"}
+    assert set(metrics) == {
+        "eval/digit_alignment",
+        "eval/digit_evaluator",
+        "eval/jpeg_compressibility",
+        "eval/diversity",
+    }
     assert 0 < metrics["eval/diversity"] < 1
 
 
@@ -158,9 +163,14 @@ def test_rerunning_a_committed_stage_is_a_skip(iteration_one):
 def test_total_rewards_sums_rewards_and_follows_the_requested_candidate_order():
     import pandas as pd
 
-    table = pd.DataFrame({"group": [0, 0, 0, 0, 1, 1], "candidate_index": [3, 3, 7, 7, 5, 5],
-                          "reward": ["a", "b", "a", "b", "a", "b"],
-                          "weighted": np.array([0.5, 1.0, 0.25, 2.0, 1.0, 1.0], np.float32)})
+    table = pd.DataFrame(
+        {
+            "group": [0, 0, 0, 0, 1, 1],
+            "candidate_index": [3, 3, 7, 7, 5, 5],
+            "reward": ["a", "b", "a", "b", "a", "b"],
+            "weighted": np.array([0.5, 1.0, 0.25, 2.0, 1.0, 1.0], np.float32),
+        }
+    )
     for column in ("prompt_index", "prompt", "seed", "value", "weight", "precision"):
         table[column] = 0
     out = ExploreRewards(table).totals(np.array([[7, 3], [5, 5]]))
@@ -190,8 +200,8 @@ def test_flow_grpo_iteration_stores_trajectories_and_starts_exactly_on_policy(tm
 def test_explore_and_regenerate_share_the_sde_noise_path_of_a_seed(tmp_path):
     from conftest import tiny_config
 
-    from solrl.stages.sampling.rollout import generate
     from solrl.stages.quant.backends import rollout_network
+    from solrl.stages.sampling.rollout import generate
 
     cfg = tiny_config(tmp_path, "train.loss=flow_grpo")
     ctx = StageContext(cfg, tmp_path, "x", 1)
@@ -205,8 +215,9 @@ def test_explore_and_regenerate_share_the_sde_noise_path_of_a_seed(tmp_path):
     assert not torch.allclose(alone.samples, ode.samples)
 
 
-@pytest.mark.parametrize("preset", ["sol-rl", "bf16-scaling", "naive-fp4", "diffusionnft", "sol-rl-flow-grpo",
-                                    "flow-grpo"])
+@pytest.mark.parametrize(
+    "preset", ["sol-rl", "bf16-scaling", "naive-fp4", "diffusionnft", "sol-rl-flow-grpo", "flow-grpo"]
+)
 def test_baseline_presets_load(preset):
     from solrl.config import load_config
 
@@ -237,9 +248,14 @@ def test_without_regenerate_the_update_trains_on_the_kept_explore_samples(tmp_pa
 def test_per_prompt_statistics_persist_across_iterations(tmp_path):
     from conftest import tiny_config
 
-
-    cfg = tiny_config(tmp_path, "train.advantage_stats=per_prompt", "train.stat_buffer=6", "train.stat_min_count=2",
-                      "fidelity.audit_every=0", "campaign.eval_every=100")
+    cfg = tiny_config(
+        tmp_path,
+        "train.advantage_stats=per_prompt",
+        "train.stat_buffer=6",
+        "train.stat_min_count=2",
+        "fidelity.audit_every=0",
+        "campaign.eval_every=100",
+    )
     run = create_run(cfg, "tracker")
     tables, rewards = [], []
     for iteration in (1, 2):

@@ -11,10 +11,17 @@ import pytest
 import torch
 
 from solrl.storage.arrays import read_arrays, write_arrays
-from solrl.storage.checkpoints import (load_checkpoint, optimizer_from_tensors, optimizer_to_tensors,
-                                       save_checkpoint)
-from solrl.storage.stage import (MANIFEST, StageNotCommitted, StageOutput, commit, read_manifest, require,
-                                 run_or_skip, stage_dir)
+from solrl.storage.checkpoints import load_checkpoint, optimizer_from_tensors, optimizer_to_tensors, save_checkpoint
+from solrl.storage.stage import (
+    MANIFEST,
+    StageNotCommitted,
+    StageOutput,
+    commit,
+    read_manifest,
+    require,
+    run_or_skip,
+    stage_dir,
+)
 from solrl.storage.tables import read_table, write_table
 
 
@@ -112,8 +119,11 @@ def test_checkpoint_and_optimizer_state_round_trip(tmp_path: Path):
     sum(p.sum() for p in params).backward()
     opt.step()
     tensors, groups = optimizer_to_tensors(opt)
-    save_checkpoint(tmp_path / "ck", {"optimizer": tensors, "policy": {"w": params[0].detach()}},
-                    {"global_step": 1, "optimizer_param_groups": groups})
+    save_checkpoint(
+        tmp_path / "ck",
+        {"optimizer": tensors, "policy": {"w": params[0].detach()}},
+        {"global_step": 1, "optimizer_param_groups": groups},
+    )
     sections, state = load_checkpoint(tmp_path / "ck")
     fresh = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone()) for p in params], lr=5.0)
     optimizer_from_tensors(fresh, sections["optimizer"], state["optimizer_param_groups"])

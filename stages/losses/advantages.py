@@ -46,9 +46,16 @@ def group_advantages(rewards: np.ndarray, *, global_std: bool = True, clip: floa
     return Advantages(adv.astype(np.float32), float(zero.mean()))
 
 
-def prompt_history_advantages(rewards: np.ndarray, prompts: list[str], history: dict[str, np.ndarray], *,
-                              buffer_size: int, min_count: int, global_std: bool = True, clip: float = 5.0
-                              ) -> tuple[Advantages, dict[str, np.ndarray]]:
+def prompt_history_advantages(
+    rewards: np.ndarray,
+    prompts: list[str],
+    history: dict[str, np.ndarray],
+    *,
+    buffer_size: int,
+    min_count: int,
+    global_std: bool = True,
+    clip: float = 5.0,
+) -> tuple[Advantages, dict[str, np.ndarray]]:
     """Advantages against per-prompt reward statistics kept across iterations (DDPO's per-prompt stat
     tracker; Black et al. 2023, "Training Diffusion Models with Reinforcement Learning", section 4.3 and its
     reference code).
@@ -73,8 +80,9 @@ def prompt_history_advantages(rewards: np.ndarray, prompts: list[str], history: 
     """
     r = np.asarray(rewards, dtype=np.float64)
     if r.ndim != 2 or len(prompts) != r.shape[0]:
-        raise ValueError(f"rewards must be [P, k] with one prompt per row, got shape {r.shape} and "
-                         f"{len(prompts)} prompts")
+        raise ValueError(
+            f"rewards must be [P, k] with one prompt per row, got shape {r.shape} and {len(prompts)} prompts"
+        )
     if not np.isfinite(r).all():
         raise ValueError("rewards contain NaN or inf")
     if not 1 <= min_count <= buffer_size:
@@ -82,8 +90,9 @@ def prompt_history_advantages(rewards: np.ndarray, prompts: list[str], history: 
     updated = dict(history)
     for prompt in dict.fromkeys(prompts):  # unique, in first-seen order
         rows = [p for p, name in enumerate(prompts) if name == prompt]
-        updated[prompt] = np.concatenate([np.asarray(history.get(prompt, ()), np.float64),
-                                          r[rows].reshape(-1)])[-buffer_size:]
+        updated[prompt] = np.concatenate([np.asarray(history.get(prompt, ()), np.float64), r[rows].reshape(-1)])[
+            -buffer_size:
+        ]
     adv = np.zeros_like(r)
     zero = np.zeros(r.shape[0], dtype=bool)
     for p, prompt in enumerate(prompts):

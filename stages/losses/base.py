@@ -50,8 +50,9 @@ class PolicyLoss:
         raise NotImplementedError
 
     @classmethod
-    def terms(cls, policy: Policy, batch: Batch, t_index: int, mb: slice, generator: torch.Generator,
-              cfg: RunConfig) -> tuple[torch.Tensor, dict[str, float], float]:
+    def terms(
+        cls, policy: Policy, batch: Batch, t_index: int, mb: slice, generator: torch.Generator, cfg: RunConfig
+    ) -> tuple[torch.Tensor, dict[str, float], float]:
         """(scalar loss with grad, detached loss terms, on-policy deviation) of micro-batch ``mb`` at step
         ``t_index``. The deviation is how far the rollout that produced the samples is from the policy now
         (0 before the first update of an on-policy iteration, up to rounding)."""

@@ -24,9 +24,17 @@ from solrl.stages.sampling.sde import gaussian_log_prob, sde_mean, sde_std
 MAX_LOG_RATIO = 20.0
 
 
-def grpo_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor, *, clip_range: float,
-              mean: torch.Tensor | None = None, ref_mean: torch.Tensor | None = None,
-              std: torch.Tensor | None = None, kl_beta: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
+def grpo_loss(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    clip_range: float,
+    mean: torch.Tensor | None = None,
+    ref_mean: torch.Tensor | None = None,
+    std: torch.Tensor | None = None,
+    kl_beta: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped policy-gradient loss for one step of a batch of trajectories.
 
     Args:
@@ -59,9 +67,13 @@ def grpo_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: to
         kl = kl.mean()
     loss = policy_loss + kl_beta * kl
     with torch.no_grad():
-        terms = {"policy_loss": policy_loss.item(), "kl": kl.item(),
-                 "clip_fraction": ((ratio - 1).abs() > clip_range).float().mean().item(),
-                 "ratio_mean": ratio.mean().item(), "approx_kl": (0.5 * log_ratio**2).mean().item()}
+        terms = {
+            "policy_loss": policy_loss.item(),
+            "kl": kl.item(),
+            "clip_fraction": ((ratio - 1).abs() > clip_range).float().mean().item(),
+            "ratio_mean": ratio.mean().item(),
+            "approx_kl": (0.5 * log_ratio**2).mean().item(),
+        }
     return loss, terms
 
 
@@ -74,16 +86,22 @@ class FlowGRPO(PolicyLoss):
     @classmethod
     def validate_config(cls, cfg: RunConfig) -> None:
         if cfg.regenerate.noise_level <= 0:
-            raise ValueError("train.loss=flow_grpo needs an SDE sampler but regenerate.noise_level=0 samples "
-                             "with the ODE only; set regenerate.noise_level=0.7 (Flow-GRPO) or use train.loss=nft")
+            raise ValueError(
+                "train.loss=flow_grpo needs an SDE sampler but regenerate.noise_level=0 samples "
+                "with the ODE only; set regenerate.noise_level=0.7 (Flow-GRPO) or use train.loss=nft"
+            )
         if cfg.regenerate.steps < 2:
-            raise ValueError(f"train.loss=flow_grpo needs regenerate.steps >= 2: with "
-                             f"regenerate.steps={cfg.regenerate.steps} the only step lands on sigma 0, which is "
-                             f"deterministic, so there is nothing to train; set regenerate.steps=10")
+            raise ValueError(
+                f"train.loss=flow_grpo needs regenerate.steps >= 2: with "
+                f"regenerate.steps={cfg.regenerate.steps} the only step lands on sigma 0, which is "
+                f"deterministic, so there is nothing to train; set regenerate.steps=10"
+            )
         if not cfg.regenerate.enabled and cfg.explore.steps != cfg.regenerate.steps:
-            raise ValueError(f"train.loss=flow_grpo with regenerate.enabled=false trains on the explore "
-                             f"trajectories, so explore.steps={cfg.explore.steps} must equal "
-                             f"regenerate.steps={cfg.regenerate.steps}")
+            raise ValueError(
+                f"train.loss=flow_grpo with regenerate.enabled=false trains on the explore "
+                f"trajectories, so explore.steps={cfg.explore.steps} must equal "
+                f"regenerate.steps={cfg.regenerate.steps}"
+            )
 
     @classmethod
     def noise_level(cls, cfg: RunConfig) -> float:
@@ -92,13 +110,16 @@ class FlowGRPO(PolicyLoss):
     @classmethod
     def trainable_steps(cls, batch: Batch) -> list[int]:
         if batch.trajectory is None or batch.old_log_probs is None:
-            raise ValueError("train.loss=flow_grpo but the rollouts stored no SDE trajectory; rerun them with "
-                             "regenerate.noise_level > 0")
+            raise ValueError(
+                "train.loss=flow_grpo but the rollouts stored no SDE trajectory; rerun them with "
+                "regenerate.noise_level > 0"
+            )
         return [i for i, sde in enumerate(batch.sde_steps) if sde]
 
     @classmethod
-    def terms(cls, policy: Policy, batch: Batch, t_index: int, mb: slice, generator: torch.Generator,
-              cfg: RunConfig) -> tuple[torch.Tensor, dict[str, float], float]:
+    def terms(
+        cls, policy: Policy, batch: Batch, t_index: int, mb: slice, generator: torch.Generator, cfg: RunConfig
+    ) -> tuple[torch.Tensor, dict[str, float], float]:
         """Flow-GRPO loss of stored step ``x_t -> x_{t+1}``; deviation ``max|log_prob - old_log_prob|``."""
         assert batch.trajectory is not None and batch.old_log_probs is not None
         tc, noise_level = cfg.train, cls.noise_level(cfg)
@@ -116,6 +137,14 @@ class FlowGRPO(PolicyLoss):
         log_prob = gaussian_log_prob(x_next, mean, std)  # fp32
         ref_mean = None if v_ref is None else sde_mean(x_t, v_ref, sigma, sigma_next, noise_level, sigma_max)
         old = batch.old_log_probs[mb, t_index]
-        loss, terms = grpo_loss(log_prob, old, batch.advantages[mb], clip_range=tc.clip_range, mean=mean,
-                                ref_mean=ref_mean, std=std, kl_beta=tc.kl_beta)
+        loss, terms = grpo_loss(
+            log_prob,
+            old,
+            batch.advantages[mb],
+            clip_range=tc.clip_range,
+            mean=mean,
+            ref_mean=ref_mean,
+            std=std,
+            kl_beta=tc.kl_beta,
+        )
         return loss, terms, (log_prob.detach() - old).abs().max().item()

@@ -28,9 +28,19 @@ from solrl.stages.models.policy import Policy
 W_FLOOR = 1e-5
 
 
-def nft_loss(v_theta: torch.Tensor, v_old: torch.Tensor, v_ref: torch.Tensor | None, x_t: torch.Tensor,
-             x0: torch.Tensor, t: torch.Tensor, advantages: torch.Tensor, *, beta: float = 1.0,
-             adv_clip_max: float = 5.0, kl_beta: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
+def nft_loss(
+    v_theta: torch.Tensor,
+    v_old: torch.Tensor,
+    v_ref: torch.Tensor | None,
+    x_t: torch.Tensor,
+    x0: torch.Tensor,
+    t: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    beta: float = 1.0,
+    adv_clip_max: float = 5.0,
+    kl_beta: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """The NFT loss for one batch at one timestep per sample.
 
     Args:
@@ -58,8 +68,12 @@ def nft_loss(v_theta: torch.Tensor, v_old: torch.Tensor, v_ref: torch.Tensor | N
     policy_loss = adv_clip_max * (r * pos / beta + (1 - r) * neg / beta).mean()
     kl = ((v_theta - v_ref) ** 2).mean() if v_ref is not None else torch.zeros((), device=v_theta.device)
     loss = policy_loss + kl_beta * kl
-    terms = {"policy_loss": policy_loss.item(), "kl": kl.item(), "r_mean": r.mean().item(),
-             "x0_mse": ((x_t - tb * v_theta - x0) ** 2).mean().item()}
+    terms = {
+        "policy_loss": policy_loss.item(),
+        "kl": kl.item(),
+        "r_mean": r.mean().item(),
+        "x0_mse": ((x_t - tb * v_theta - x0) ** 2).mean().item(),
+    }
     return loss, terms
 
 
@@ -76,8 +90,9 @@ class NFT(PolicyLoss):
         return list(range(len(batch.sigmas) - 1))
 
     @classmethod
-    def terms(cls, policy: Policy, batch: Batch, t_index: int, mb: slice, generator: torch.Generator,
-              cfg: RunConfig) -> tuple[torch.Tensor, dict[str, float], float]:
+    def terms(
+        cls, policy: Policy, batch: Batch, t_index: int, mb: slice, generator: torch.Generator, cfg: RunConfig
+    ) -> tuple[torch.Tensor, dict[str, float], float]:
         """NFT loss of micro-batch ``mb`` re-noised at ``sigmas[t_index]``; deviation ``max|v_theta - v_old|``."""
         tc = cfg.train
         x0 = batch.x0[mb]
@@ -90,9 +105,18 @@ class NFT(PolicyLoss):
             with torch.no_grad():
                 v_old = policy.velocity("rollout", x_t, t, emb, mask)
                 v_ref = policy.velocity("reference", x_t, t, emb, mask) if tc.kl_beta else None
-        loss, terms = nft_loss(v_theta.float(), v_old.float(), None if v_ref is None else v_ref.float(), x_t, x0,
-                               t, batch.advantages[mb], beta=tc.beta, adv_clip_max=tc.adv_clip_max,
-                               kl_beta=tc.kl_beta)
+        loss, terms = nft_loss(
+            v_theta.float(),
+            v_old.float(),
+            None if v_ref is None else v_ref.float(),
+            x_t,
+            x0,
+            t,
+            batch.advantages[mb],
+            beta=tc.beta,
+            adv_clip_max=tc.adv_clip_max,
+            kl_beta=tc.kl_beta,
+        )
         return loss, terms, (v_theta.detach().float() - v_old.float()).abs().max().item()
 
     @classmethod

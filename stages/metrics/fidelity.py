@@ -31,9 +31,13 @@ def group_agreement(explore: np.ndarray, bf16: np.ndarray) -> list[dict[str, flo
         spread = np.ptp(e) > 0 and np.ptp(b) > 0
         top_e = set(np.argsort(-e, kind="stable")[:half])
         top_b = set(np.argsort(-b, kind="stable")[:half])
-        rows.append({"spearman": float(spearmanr(e, b).statistic) if spread else float("nan"),
-                     "kendall": float(kendalltau(e, b).statistic) if spread else float("nan"),
-                     "top_half_match": len(top_e & top_b) / half})
+        rows.append(
+            {
+                "spearman": float(spearmanr(e, b).statistic) if spread else float("nan"),
+                "kendall": float(kendalltau(e, b).statistic) if spread else float("nan"),
+                "top_half_match": len(top_e & top_b) / half,
+            }
+        )
     return rows
 
 
@@ -47,8 +51,9 @@ def rank_agreement(explore: np.ndarray, bf16: np.ndarray) -> dict[str, float]:
     return out
 
 
-def pool_agreement(explore: np.ndarray, bf16: np.ndarray, k: int, tops: tuple[int, ...] = (4, 8, 12)
-                   ) -> dict[str, float]:
+def pool_agreement(
+    explore: np.ndarray, bf16: np.ndarray, k: int, tops: tuple[int, ...] = (4, 8, 12)
+) -> dict[str, float]:
     """Full-pool agreement of explore and BF16 rewards of the same seeds (the unbiased audit; paper Table 3).
 
     Args:
@@ -84,7 +89,7 @@ def pool_agreement(explore: np.ndarray, bf16: np.ndarray, k: int, tops: tuple[in
     np.put_along_axis(true_rank, order_b, np.arange(1, N + 1)[None].repeat(P, 0), axis=1)  # rank by BF16
     rows = np.arange(P)[:, None]
     out["best_true_rank"] = float(true_rank[rows, order_e[:, :half]].mean())
-    out["worst_true_rank"] = float(true_rank[rows, order_e[:, N - half:]].mean())
+    out["worst_true_rank"] = float(true_rank[rows, order_e[:, N - half :]].mean())
     out["best_perfect"], out["worst_perfect"] = (half + 1) / 2, N - (half - 1) / 2
     out["random_rank"] = (N + 1) / 2
     return out

@@ -12,8 +12,16 @@ from PIL import Image, ImageDraw
 _CHAR_W, _LINE_H = 6, 11
 
 
-def save_grid(images: np.ndarray, path: Path, *, row_labels: Sequence[str] = (), column_labels: Sequence[str] = (),
-              split: int | None = None, scale: int = 4, pad: int = 2) -> None:
+def save_grid(
+    images: np.ndarray,
+    path: Path,
+    *,
+    row_labels: Sequence[str] = (),
+    column_labels: Sequence[str] = (),
+    split: int | None = None,
+    scale: int = 4,
+    pad: int = 2,
+) -> None:
     """Save uint8 ``[rows, cols, H, W, 3]`` as one labelled PNG, each image upscaled ``scale`` x (nearest).
 
     Args:

@@ -7,8 +7,9 @@ import numpy as np
 STRATEGIES = ("best_worst", "top_k", "random")
 
 
-def select_seeds(rewards: np.ndarray, k: int, strategy: str = "best_worst", seed: int = 0
-                 ) -> tuple[np.ndarray, np.ndarray]:
+def select_seeds(
+    rewards: np.ndarray, k: int, strategy: str = "best_worst", seed: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
     """Pick ``k`` candidates per prompt from explore rewards.
 
     ``best_worst`` (Sol-RL, the default) keeps the ``k/2`` highest and ``k/2`` lowest rewards of each pool: the

@@ -80,11 +80,17 @@ class ModelAdapter:
         scheduler.set_timesteps(steps, device="cpu")
         return scheduler.sigmas.float().to(self.device)
 
-    def velocity(self, model: nn.Module, x: torch.Tensor, sigma: torch.Tensor,
-                 emb: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def velocity(
+        self, model: nn.Module, x: torch.Tensor, sigma: torch.Tensor, emb: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
         """Predicted flow velocity ``v ~ eps - x0`` for ``x [B, C, h, w]`` at ``sigma [B]`` (timestep = 1000 sigma)."""
-        out = model(hidden_states=x, encoder_hidden_states=emb, timestep=sigma * 1000.0,
-                    encoder_attention_mask=mask, return_dict=False)[0]
+        out = model(
+            hidden_states=x,
+            encoder_hidden_states=emb,
+            timestep=sigma * 1000.0,
+            encoder_attention_mask=mask,
+            return_dict=False,
+        )[0]
         return out
 
 
@@ -108,8 +114,9 @@ class ModelFamily:
     def weights_dir(cls, cfg: ModelConfig) -> Path:
         """The weights folder ``model.path`` names (expanded)."""
         if cfg.path is None:
-            raise ConfigError(f"model.family={cls.name} needs model.path (a diffusers-format folder); "
-                              f"weights: {cls.weights_hint}")
+            raise ConfigError(
+                f"model.family={cls.name} needs model.path (a diffusers-format folder); weights: {cls.weights_hint}"
+            )
         return Path(cfg.path).expanduser()
 
     @classmethod

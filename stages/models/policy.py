@@ -46,8 +46,9 @@ class Policy:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             for name in ADAPTERS:
-                lora = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(model.lora_targets),
-                                  init_lora_weights="gaussian")
+                lora = LoraConfig(
+                    r=rank, lora_alpha=alpha, target_modules=list(model.lora_targets), init_lora_weights="gaussian"
+                )
                 with warnings.catch_warnings():  # several adapters on one model is the point here
                     warnings.filterwarnings("ignore", message="Already found a `peft_config`")
                     self.transformer.add_adapter(lora, adapter_name=name)
@@ -63,8 +64,11 @@ class Policy:
     def adapter_params(self, name: str) -> dict[str, nn.Parameter]:
         """Parameters of adapter ``name``, keyed with the adapter name replaced by ``{adapter}``."""
         tag = f".{name}."
-        return {n.replace(tag, f".{_SLOT}."): p for n, p in self.transformer.named_parameters() if tag in n
-                and ("lora_A" in n or "lora_B" in n)}
+        return {
+            n.replace(tag, f".{_SLOT}."): p
+            for n, p in self.transformer.named_parameters()
+            if tag in n and ("lora_A" in n or "lora_B" in n)
+        }
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return list(self.adapter_params("policy").values())
@@ -91,8 +95,9 @@ class Policy:
         params = self.adapter_params(name)
         if set(params) != set(state):
             missing, extra = sorted(set(params) - set(state)), sorted(set(state) - set(params))
-            raise KeyError(f"adapter {name!r}: checkpoint does not match the model (missing {missing[:3]}, "
-                           f"unexpected {extra[:3]})")
+            raise KeyError(
+                f"adapter {name!r}: checkpoint does not match the model (missing {missing[:3]}, unexpected {extra[:3]})"
+            )
         for key, p in params.items():
             p.copy_(state[key].to(p.device, p.dtype))
 
@@ -116,8 +121,9 @@ class Policy:
         finally:
             self._activate("policy")
 
-    def velocity(self, which: Which, x: torch.Tensor, sigma: torch.Tensor,
-                 emb: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def velocity(
+        self, which: Which, x: torch.Tensor, sigma: torch.Tensor, emb: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
         """Velocity of ``which`` at ``x [B, C, h, w]``, ``sigma [B]``; no grad unless ``which == 'policy'``."""
         with self.using(which) as net, torch.set_grad_enabled(which == "policy" and torch.is_grad_enabled()):
             return self.model.velocity(net, x, sigma, emb, mask)

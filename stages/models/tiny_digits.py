@@ -64,8 +64,11 @@ def prompt_digit(prompt: str) -> int:
     Raises:
         ValueError: the prompt names no digit.
     """
-    found = [DIGIT_WORDS.index(w) if w in DIGIT_WORDS else int(w) for w in re.findall(r"[a-z]+|\d", prompt.lower())
-             if w in DIGIT_WORDS or w.isdigit()]
+    found = [
+        DIGIT_WORDS.index(w) if w in DIGIT_WORDS else int(w)
+        for w in re.findall(r"[a-z]+|\d", prompt.lower())
+        if w in DIGIT_WORDS or w.isdigit()
+    ]
     if not found:
         raise ValueError(f"prompt {prompt!r} names no digit (zero..nine or 0..9)")
     return found[-1]
@@ -105,9 +108,16 @@ class DigitClassifier(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.net = nn.Sequential(
-            nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),  # [B, 16, 8, 8]
-            nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),  # [B, 32, 4, 4]
-            nn.Flatten(), nn.Linear(32 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 10),
+            nn.Conv2d(1, 16, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),  # [B, 16, 8, 8]
+            nn.Conv2d(16, 32, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),  # [B, 32, 4, 4]
+            nn.Flatten(),
+            nn.Linear(32 * 4 * 4, 64),
+            nn.ReLU(),
+            nn.Linear(64, 10),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -120,9 +130,14 @@ class DigitEvaluator(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.net = nn.Sequential(
-            nn.Conv2d(1, 24, 5, stride=2, padding=2), nn.GELU(),  # [B, 24, 8, 8]
-            nn.Conv2d(24, 48, 5, stride=2, padding=2), nn.GELU(),  # [B, 48, 4, 4]
-            nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Dropout(0.2), nn.Linear(48 * 4, 10),
+            nn.Conv2d(1, 24, 5, stride=2, padding=2),
+            nn.GELU(),  # [B, 24, 8, 8]
+            nn.Conv2d(24, 48, 5, stride=2, padding=2),
+            nn.GELU(),  # [B, 48, 4, 4]
+            nn.AdaptiveAvgPool2d(2),
+            nn.Flatten(),
+            nn.Dropout(0.2),
+            nn.Linear(48 * 4, 10),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -181,8 +196,11 @@ class TinyDigits(ModelFamily):
 
     @classmethod
     def required_files(cls, cfg: ModelConfig) -> tuple[str, ...]:
-        return ("transformer/config.json", "transformer/diffusion_pytorch_model.safetensors",
-                "text_encoder.safetensors")
+        return (
+            "transformer/config.json",
+            "transformer/diffusion_pytorch_model.safetensors",
+            "text_encoder.safetensors",
+        )
 
     @classmethod
     def load(cls, cfg: ModelConfig, device: torch.device) -> ModelAdapter:
@@ -210,5 +228,4 @@ class TinyDigits(ModelFamily):
     def architecture(cls, cfg: ModelConfig) -> dict[str, Any]:
         """The transformer's diffusers config and the text encoder's dimensions."""
         config = json.loads((cls.weights_dir(cfg) / "transformer" / "config.json").read_text(encoding="utf-8"))
-        return {"transformer": config, "text_encoder": {"vocab": len(VOCAB), "dim": TEXT_DIM,
-                                                         "max_tokens": MAX_TOKENS}}
+        return {"transformer": config, "text_encoder": {"vocab": len(VOCAB), "dim": TEXT_DIM, "max_tokens": MAX_TOKENS}}

@@ -45,7 +45,7 @@ def train_classifier(model: torch.nn.Module, seed: int, epochs: int = 20) -> tup
         model.train()
         order = torch.randperm(len(x_tr), generator=g)
         for i in range(0, len(order), 64):
-            idx = order[i: i + 64]
+            idx = order[i : i + 64]
             loss = F.cross_entropy(model(_shift(x_tr[idx], g)), y_tr[idx])
             opt.zero_grad()
             loss.backward()
@@ -74,8 +74,13 @@ def train_generator(steps: int, seed: int, batch_size: int = 128) -> tuple[torch
         t = torch.sigmoid(torch.randn(batch_size, generator=g))  # logit-normal, [B]
         eps = torch.randn(x0.shape, generator=g)
         xt = (1 - t[:, None, None, None]) * x0 + t[:, None, None, None] * eps
-        v = transformer(hidden_states=xt, encoder_hidden_states=text(ids), timestep=t * 1000,
-                        encoder_attention_mask=mask, return_dict=False)[0]
+        v = transformer(
+            hidden_states=xt,
+            encoder_hidden_states=text(ids),
+            timestep=t * 1000,
+            encoder_attention_mask=mask,
+            return_dict=False,
+        )[0]
         loss = F.mse_loss(v, eps - x0)
         opt.zero_grad()
         loss.backward()
@@ -87,8 +92,14 @@ def train_generator(steps: int, seed: int, batch_size: int = 128) -> tuple[torch
 
 
 @torch.no_grad()
-def generator_alignment(transformer: torch.nn.Module, text: torch.nn.Module, classifier: torch.nn.Module,
-                        seeds_per_digit: int = 8, steps: int = 10, shift: float = 2.0) -> float:
+def generator_alignment(
+    transformer: torch.nn.Module,
+    text: torch.nn.Module,
+    classifier: torch.nn.Module,
+    seeds_per_digit: int = 8,
+    steps: int = 10,
+    shift: float = 2.0,
+) -> float:
     """Mean classifier p(prompted digit) over 'a handwritten digit <d>' x fixed seeds, Euler ODE."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
@@ -100,8 +111,13 @@ def generator_alignment(transformer: torch.nn.Module, text: torch.nn.Module, cla
     sched.set_timesteps(steps)
 
     def velocity(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
-        return transformer(hidden_states=x, encoder_hidden_states=emb, timestep=sigma * 1000,
-                           encoder_attention_mask=mask, return_dict=False)[0]
+        return transformer(
+            hidden_states=x,
+            encoder_hidden_states=emb,
+            timestep=sigma * 1000,
+            encoder_attention_mask=mask,
+            return_dict=False,
+        )[0]
 
     x0 = sample_ode(velocity, initial_noise(seeds, (1, td.IMAGE_SIZE, td.IMAGE_SIZE)), sched.sigmas.float())
     images = td.latents_to_images(x0)
@@ -129,9 +145,16 @@ def pretrain(out: Path, steps: int = 400, seed: int = 0) -> dict[str, float]:
     save_file({k: v.contiguous() for k, v in text.state_dict().items()}, out / "text_encoder.safetensors")
     save_file({k: v.contiguous() for k, v in classifier.state_dict().items()}, out / "classifier.safetensors")
     save_file({k: v.contiguous() for k, v in evaluator.state_dict().items()}, out / "evaluator.safetensors")
-    report = {"steps": steps, "seed": seed, "classifier_accuracy": acc, "evaluator_accuracy": eval_acc,
-              "alignment_classifier": align, "alignment_evaluator": align_eval,
-              "torch": torch.__version__, "seconds": round(time.time() - t0, 1)}
+    report = {
+        "steps": steps,
+        "seed": seed,
+        "classifier_accuracy": acc,
+        "evaluator_accuracy": eval_acc,
+        "alignment_classifier": align,
+        "alignment_evaluator": align_eval,
+        "torch": torch.__version__,
+        "seconds": round(time.time() - t0, 1),
+    }
     (out / "pretrain_report.json").write_text(json.dumps(report, indent=2) + "\n")
     np.set_printoptions(precision=4)
     print(f"wrote {out} in {report['seconds']} s")

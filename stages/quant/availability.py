@@ -11,7 +11,7 @@ Asking for a backend the machine cannot run is a configuration error that names 
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 #: Hardware precisions -> the compute capability they need; every other precision runs anywhere.
 HARDWARE = {"fp8": (8, 9), "nvfp4": (10, 0)}
@@ -28,7 +28,7 @@ def _transformer_engine_reason(precision: str) -> str | None:
     return None if ok else f"Transformer Engine says: {reason or 'not available'}"
 
 
-@lru_cache(maxsize=None)
+@cache
 def unavailable_reason(precision: str) -> str | None:
     """None when ``precision`` runs here, else why not (one sentence)."""
     if precision not in HARDWARE:
@@ -57,5 +57,7 @@ def check_precision(precision: str) -> None:
     one-line error ``solrl run`` and ``solrl resume`` print)."""
     reason = unavailable_reason(precision)
     if reason is not None:
-        raise ValueError(f"explore.precision={precision} cannot run here: {reason}; this machine runs: "
-                         f"{', '.join(runnable_precisions())}")
+        raise ValueError(
+            f"explore.precision={precision} cannot run here: {reason}; this machine runs: "
+            f"{', '.join(runnable_precisions())}"
+        )

@@ -40,7 +40,7 @@ Choices made here (documented, tested in ``tests/test_nvfp4.py``):
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -88,10 +88,7 @@ def _amax_checked(x: torch.Tensor) -> float:
     """``amax(|x|)`` as a Python float; raises ``ValueError`` on inf / NaN (one host sync)."""
     amax = float(x.detach().abs().amax().to(torch.float32)) if x.numel() else 0.0
     if not math.isfinite(amax):
-        raise ValueError(
-            f"cannot quantize a tensor with non-finite values (shape {tuple(x.shape)}, "
-            f"amax={amax})"
-        )
+        raise ValueError(f"cannot quantize a tensor with non-finite values (shape {tuple(x.shape)}, amax={amax})")
     return amax
 
 
@@ -102,9 +99,7 @@ def _pow2_exponent(amax: float) -> int:
     return 0
 
 
-def _nvfp4_parts(
-    x2d: torch.Tensor, *, tensor_scale: bool
-) -> tuple[torch.Tensor, float, int]:
+def _nvfp4_parts(x2d: torch.Tensor, *, tensor_scale: bool) -> tuple[torch.Tensor, float, int]:
     """NVFP4-encode a contiguous float32 ``[rows, K]`` tensor with torchao and decode it.
 
     Returns ``(qs, g, k)`` with ``qs = q * s_b`` (float32 ``[rows, K]``; exactly
@@ -246,9 +241,7 @@ def _quant_parts(w2d: torch.Tensor, fmt: str) -> tuple[torch.Tensor, float, int]
 
 def _check_fmt(fmt: str) -> None:
     if fmt not in FORMATS:
-        raise ValueError(
-            f"unknown quantization format {fmt!r}; valid formats: {', '.join(FORMATS)}"
-        )
+        raise ValueError(f"unknown quantization format {fmt!r}; valid formats: {', '.join(FORMATS)}")
 
 
 def _is_conv1x1(module: nn.Module) -> bool:
@@ -319,8 +312,7 @@ class FakeQuantLinear(nn.Module):
             in_f, out_f = module.in_channels, module.out_channels
         else:
             raise TypeError(
-                "FakeQuantLinear wraps nn.Linear or a 1x1 nn.Conv2d with groups=1 and "
-                f"zero padding, got {module!r}"
+                f"FakeQuantLinear wraps nn.Linear or a 1x1 nn.Conv2d with groups=1 and zero padding, got {module!r}"
             )
         if fmt == "nvfp4" and in_f % NVFP4_BLOCK != 0:
             raise ValueError(
@@ -344,7 +336,7 @@ class FakeQuantLinear(nn.Module):
         self.requantize_()
 
     @torch.no_grad()
-    def requantize_(self) -> "FakeQuantLinear":
+    def requantize_(self) -> FakeQuantLinear:
         """Recompute the cached quantized weight from the current ``weight``, in place.
 
         Use after a weight sync (e.g. ``load_state_dict`` or ``param.copy_``). The

@@ -29,8 +29,12 @@ class Reward:
     def check_prompts(cls, prompts: Sequence[str], field: str) -> None:
         """Raises ValueError naming the first prompt this reward cannot score (default: any prompt is fine)."""
 
-    def __call__(self, images: np.ndarray, prompts: Sequence[str], metadata: dict[str, Any] | None = None,
-                 ) -> np.ndarray:
+    def __call__(
+        self,
+        images: np.ndarray,
+        prompts: Sequence[str],
+        metadata: dict[str, Any] | None = None,
+    ) -> np.ndarray:
         """images uint8 ``[B, H, W, 3]``, ``len(prompts) == B`` -> float32 ``[B]``."""
         raise NotImplementedError
 
@@ -55,12 +59,15 @@ def checked(reward: Reward, images: np.ndarray, prompts: Sequence[str]) -> np.nd
         raise RewardError(f"reward {reward.name!r} returned shape {values.shape}, expected ({len(prompts)},)")
     bad = np.flatnonzero(~np.isfinite(values))
     if bad.size:
-        raise RewardError(f"reward {reward.name!r} returned {values[bad[0]]} for prompt {prompts[bad[0]]!r} "
-                          f"({bad.size} non-finite of {values.size}); fix the reward or its inputs")
+        raise RewardError(
+            f"reward {reward.name!r} returned {values[bad[0]]} for prompt {prompts[bad[0]]!r} "
+            f"({bad.size} non-finite of {values.size}); fix the reward or its inputs"
+        )
     return values
 
 
-def score_all(rewards: dict[str, tuple[Reward, float]], images: np.ndarray, prompts: Sequence[str]
-              ) -> dict[str, np.ndarray]:
+def score_all(
+    rewards: dict[str, tuple[Reward, float]], images: np.ndarray, prompts: Sequence[str]
+) -> dict[str, np.ndarray]:
     """Score images with every reward. ``rewards``: name -> (reward, weight). Returns name -> float32 ``[B]``."""
     return {name: checked(reward, images, prompts) for name, (reward, _) in rewards.items()}

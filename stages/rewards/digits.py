@@ -17,8 +17,9 @@ from safetensors.torch import load_file
 
 from solrl.registry import register_reward
 from solrl.stages.models import tiny_digits as td
-from solrl.stages.rewards.base import Reward
 from solrl.stages.models.tiny_digits import TINY_DIGITS_WEIGHTS
+from solrl.stages.rewards.base import Reward
+
 
 @register_reward("digit_alignment")
 class DigitAlignment(Reward):
@@ -47,12 +48,18 @@ class DigitAlignment(Reward):
             try:
                 td.prompt_digit(prompt)
             except ValueError:
-                raise ValueError(f"{field}: prompt {prompt!r} names no digit, which reward {cls.name} needs; "
-                                 f"name one (zero..nine or 0..9) or use other rewards") from None
+                raise ValueError(
+                    f"{field}: prompt {prompt!r} names no digit, which reward {cls.name} needs; "
+                    f"name one (zero..nine or 0..9) or use other rewards"
+                ) from None
 
     @torch.no_grad()
-    def __call__(self, images: np.ndarray, prompts: Sequence[str], metadata: dict[str, Any] | None = None,
-                 ) -> np.ndarray:
+    def __call__(
+        self,
+        images: np.ndarray,
+        prompts: Sequence[str],
+        metadata: dict[str, Any] | None = None,
+    ) -> np.ndarray:
         target = torch.tensor([td.prompt_digit(p) for p in prompts], device=self.device)
         probs = self.net(td.images_to_model_input(images).to(self.device)).softmax(-1)  # [B, 10]
         return probs[torch.arange(len(prompts), device=self.device), target].float().cpu().numpy()

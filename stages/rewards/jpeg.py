@@ -21,8 +21,12 @@ class JpegCompressibility(Reward):
 
     name = "jpeg_compressibility"
 
-    def __call__(self, images: np.ndarray, prompts: Sequence[str], metadata: dict[str, Any] | None = None,
-                 ) -> np.ndarray:
+    def __call__(
+        self,
+        images: np.ndarray,
+        prompts: Sequence[str],
+        metadata: dict[str, Any] | None = None,
+    ) -> np.ndarray:
         if images.dtype != np.uint8 or images.ndim != 4 or images.shape[-1] != 3:
             raise ValueError(f"expected uint8 images [B, H, W, 3], got {images.dtype} {images.shape}")
         sizes = []

@@ -9,15 +9,24 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from solrl.stages.models.adapter import compute_precision
 from solrl.stages.models import ModelAdapter
+from solrl.stages.models.adapter import compute_precision
 from solrl.stages.sampling.samplers import Trajectory, batched, initial_noise, sample_ode, sample_sde, seed_noise
 
 
 @torch.no_grad()
-def generate(model: ModelAdapter, net: nn.Module, prompts: Sequence[str], seeds: Sequence[int], steps: int,
-             batch_size: int, desc: str = "sampling", *, noise_level: float = 0.0,
-             sde_window: tuple[int, int] | None = None) -> Trajectory:
+def generate(
+    model: ModelAdapter,
+    net: nn.Module,
+    prompts: Sequence[str],
+    seeds: Sequence[int],
+    steps: int,
+    batch_size: int,
+    desc: str = "sampling",
+    *,
+    noise_level: float = 0.0,
+    sde_window: tuple[int, int] | None = None,
+) -> Trajectory:
     """Sample one image per (prompt, seed) pair: Euler ODE, or the Flow-GRPO SDE when ``noise_level > 0``.
 
     Args:
@@ -37,8 +46,9 @@ def generate(model: ModelAdapter, net: nn.Module, prompts: Sequence[str], seeds:
     for chunk in tqdm(chunks, desc=desc, unit="batch", disable=len(chunks) < 4, leave=False):
         emb, mask = model.encode(list(prompts[chunk]))
 
-        def velocity(x: torch.Tensor, sigma: torch.Tensor, emb: torch.Tensor = emb,
-                     mask: torch.Tensor = mask) -> torch.Tensor:
+        def velocity(
+            x: torch.Tensor, sigma: torch.Tensor, emb: torch.Tensor = emb, mask: torch.Tensor = mask
+        ) -> torch.Tensor:
             with compute_precision(model.device):
                 return model.velocity(net, x, sigma, emb, mask)
 
@@ -49,8 +59,13 @@ def generate(model: ModelAdapter, net: nn.Module, prompts: Sequence[str], seeds:
         else:
             noise = initial_noise(seeds[chunk], model.latent_shape, model.device)
             final = sample_ode(velocity, noise, sigmas)
-            parts.append(Trajectory(torch.stack([noise, final], 1).cpu(), torch.zeros(len(final), 0),
-                                    torch.zeros(steps, dtype=torch.bool)))
+            parts.append(
+                Trajectory(
+                    torch.stack([noise, final], 1).cpu(),
+                    torch.zeros(len(final), 0),
+                    torch.zeros(steps, dtype=torch.bool),
+                )
+            )
     return Trajectory(torch.cat([p.latents for p in parts]), torch.cat([p.log_probs for p in parts]), parts[0].sde)
 
 

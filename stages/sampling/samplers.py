@@ -31,8 +31,9 @@ def derive_seed(run_seed: int, *path: int | str) -> int:
     return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") >> (64 - _SEED_BITS)
 
 
-def seed_noise(seeds: Sequence[int], shape: tuple[int, ...], draws: int = 1,
-               device: torch.device | str = "cpu") -> torch.Tensor:
+def seed_noise(
+    seeds: Sequence[int], shape: tuple[int, ...], draws: int = 1, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """Standard normal draws ``float32 [len(seeds), draws, *shape]``; row i comes from one generator seeded
     ``seeds[i]``: draw 0 is the initial noise, draws 1.. the SDE step noises, in step order.
 
@@ -97,8 +98,13 @@ def sde_mask(steps: int, window: tuple[int, int] | None) -> torch.Tensor:
 
 
 @torch.no_grad()
-def sample_sde(velocity: VelocityFn, noise: torch.Tensor, sigmas: torch.Tensor, noise_level: float,
-               window: tuple[int, int] | None = None) -> Trajectory:
+def sample_sde(
+    velocity: VelocityFn,
+    noise: torch.Tensor,
+    sigmas: torch.Tensor,
+    noise_level: float,
+    window: tuple[int, int] | None = None,
+) -> Trajectory:
     """Sample with the Flow-GRPO SDE step (``solrl.stages.sampling.sde``) on the window's steps, Euler ODE elsewhere.
 
     Args:

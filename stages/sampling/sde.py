@@ -35,8 +35,14 @@ def sde_std(sigma: torch.Tensor, sigma_next: torch.Tensor, noise_level: float, s
     return s * torch.sqrt(sigma - sigma_next)
 
 
-def sde_mean(x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor, noise_level: float,
-             sigma_max: float) -> torch.Tensor:
+def sde_mean(
+    x: torch.Tensor,
+    v: torch.Tensor,
+    sigma: torch.Tensor,
+    sigma_next: torch.Tensor,
+    noise_level: float,
+    sigma_max: float,
+) -> torch.Tensor:
     """Mean ``mu`` of the SDE step (eq. 12), float32, shape of ``x`` ``[B, C, h, w]``; sigma ``[B]``."""
     shape = (-1, *([1] * (x.ndim - 1)))
     sigma_b, dt = sigma.float().reshape(shape), (sigma_next - sigma).float().reshape(shape)
@@ -55,8 +61,15 @@ def gaussian_log_prob(sample: torch.Tensor, mean: torch.Tensor, std: torch.Tenso
     return (-0.5 * z**2 - torch.log(std_b) - _LOG_SQRT_2PI).mean(dim=tuple(range(1, sample.ndim)))
 
 
-def sde_step(x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor,
-             noise: torch.Tensor, noise_level: float, sigma_max: float) -> tuple[torch.Tensor, torch.Tensor]:
+def sde_step(
+    x: torch.Tensor,
+    v: torch.Tensor,
+    sigma: torch.Tensor,
+    sigma_next: torch.Tensor,
+    noise: torch.Tensor,
+    noise_level: float,
+    sigma_max: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One SDE step: ``(x_next, log_prob)``; ``noise`` is the step's standard normal draw ``eps``.
 
     With ``noise_level = 0`` this is exactly the Euler ODE step ``x + (sigma_next - sigma) v``; the step is then
