@@ -214,6 +214,54 @@ def report(
         typer.echo(f"curves saved to {plot}")
 
 
+@app.command()
+def export(
+    run_id: Annotated[str, typer.Argument(help="The run whose trained LoRA to export.")],
+    out: Annotated[Path, typer.Option("--out", help="Folder to write pytorch_lora_weights.safetensors into.")],
+    iteration: Annotated[
+        int | None, typer.Option(help="Checkpoint iteration (default: the last committed one).")
+    ] = None,
+    adapter: Annotated[str, typer.Option(help="policy, rollout or ema.")] = "policy",
+    store: StoreOption = "runs",
+) -> None:
+    """Write a checkpoint's LoRA in diffusers' format, for a stock pipeline's load_lora_weights."""
+    from solrl.stages.context import StageContext
+    from solrl.stages.models import model_family
+    from solrl.stages.models.lora import save_diffusers_lora
+    from solrl.stages.models.policy import ADAPTERS
+    from solrl.storage.artifacts import Checkpoint
+    from solrl.storage.runs import open_run
+    from solrl.storage.stage import read_manifest
+
+    if adapter not in ADAPTERS:
+        _fail(f"--adapter {adapter!r}: choose one of {', '.join(ADAPTERS)}")
+    try:
+        run_ = open_run(store, run_id)
+        family = model_family(run_.config.model)
+        family.check_runnable(run_.config.model)  # the base weights the LoRA applies to
+    except ConfigError as exc:
+        _fail(str(exc))
+    committed = [
+        i for i in range(1, run_.config.campaign.iterations + 1) if read_manifest(run_.run_dir, i, "checkpoint")
+    ]
+    if iteration is None:
+        if not committed:
+            _fail(f"run {run_id} has no committed checkpoint yet")
+        iteration = committed[-1]
+    elif iteration not in committed:
+        _fail(
+            f"run {run_id} has no committed checkpoint at iteration {iteration}; committed: "
+            f"{', '.join(map(str, committed)) or 'none'}"
+        )
+    cfg = run_.config.model_copy(update={"model": run_.config.model.model_copy(update={"device": "cpu"})})
+    policy = StageContext(cfg, run_.run_dir, run_id, iteration).load_policy(Checkpoint.load(run_.run_dir, iteration))
+    path = save_diffusers_lora(policy, adapter, family.pipeline_class, out)
+    typer.echo(
+        f"{adapter} LoRA of run {run_id} iteration {iteration} written to {path}\n"
+        f"  load it with {family.pipeline_class}.from_pretrained(...).load_lora_weights({str(out)!r})"
+    )
+
+
 @app.command("pretrain-tiny-digits")
 def pretrain_tiny_digits(
     steps: Annotated[int, typer.Option(help="Generator pretraining steps (sets how much room RL has).")] = 170,

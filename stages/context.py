@@ -13,7 +13,7 @@ from solrl.config import RunConfig
 from solrl.stages.models import load_model, resolve_device
 from solrl.stages.models.policy import ADAPTERS, Policy
 from solrl.stages.sampling.samplers import derive_seed
-from solrl.storage.artifacts import Checkpoint
+from solrl.storage.artifacts import CheckpointArtifact
 
 #: The loaded policy of this process, keyed by (model config, run seed, device).
 _POLICIES: dict[tuple[str, int, str], Policy] = {}
@@ -54,7 +54,7 @@ class StageContext:
         index = rng.choice(len(prompts), size=count, replace=count > len(prompts)).astype(np.int64)
         return index, [prompts[i] for i in index]
 
-    def load_policy(self, checkpoint: Checkpoint | None) -> Policy:
+    def load_policy(self, checkpoint: CheckpointArtifact | None) -> Policy:
         """The model with policy/rollout/EMA adapters as of ``checkpoint`` (None: the base model's fresh LoRA).
 
         The model is loaded once per process and kept (for a SANA-size model, loading dominates a stage);

@@ -12,6 +12,7 @@ previous iteration's checkpoint (none at iteration 1: the base model), ``Trained
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
@@ -119,6 +120,9 @@ class ZarrArtifact(Artifact):
             array = group.create_array(name, shape=data.shape, dtype=data.dtype, chunks=chunks, dimension_names=dims)
             array[...] = data
         group.attrs.update(self.attrs)
+        with warnings.catch_warnings():  # zarr notes that v3 consolidation is an extension; xarray reads it
+            warnings.filterwarnings("ignore", message="Consolidated metadata is currently not part")
+            zarr.consolidate_metadata(str(out / self.filename))
 
     @classmethod
     def read(cls: type[A], path: Path) -> A:

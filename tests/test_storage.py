@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 import torch
 
-from solrl.storage.arrays import read_arrays, write_arrays
+from solrl.storage.artifacts import CandidatePool, RewardStats
 from solrl.storage.checkpoints import load_checkpoint, optimizer_from_tensors, optimizer_to_tensors, save_checkpoint
 from solrl.storage.stage import (
     MANIFEST,
@@ -22,7 +22,6 @@ from solrl.storage.stage import (
     run_or_skip,
     stage_dir,
 )
-from solrl.storage.tables import read_table, write_table
 
 
 def _write_two_files(out: Path) -> StageOutput:
@@ -91,25 +90,52 @@ def test_run_or_skip_reuses_a_matching_manifest_and_redoes_a_changed_one(tmp_pat
     assert not skipped and changed.inputs_hash == "k2" and len(calls) == 2
 
 
-def test_zarr_pool_round_trip(tmp_path: Path):
-    images = np.random.default_rng(0).integers(0, 255, (2, 3, 4, 4, 3), dtype=np.uint8)
-    seeds = np.arange(6, dtype=np.int64).reshape(2, 3)
-    write_arrays(tmp_path / "pool.zarr", {"images": images, "seeds": seeds}, {"prompts": ["a", "b"]})
-    arrays, attrs = read_arrays(tmp_path / "pool.zarr")
-    np.testing.assert_array_equal(arrays["images"], images)
-    np.testing.assert_array_equal(arrays["seeds"], seeds)
-    assert arrays["seeds"].dtype == np.int64 and attrs["prompts"] == ["a", "b"]
+def _pool(prompts: int = 2) -> CandidatePool:
+    images = np.random.default_rng(0).integers(0, 255, (prompts, 3, 4, 4, 3), dtype=np.uint8)
+    seeds = np.arange(prompts * 3, dtype=np.int64).reshape(prompts, 3)
+    return CandidatePool(
+        images=images,
+        seeds=seeds,
+        prompt_index=np.arange(prompts, dtype=np.int64),
+        attrs={"prompts": ["a", "b"][:prompts], "precision": "bf16"},
+    )
 
 
-def test_zarr_pool_refuses_disagreeing_prompt_axes(tmp_path: Path):
+def test_candidate_pool_round_trip(tmp_path: Path):
+    pool = _pool()
+    pool.write(tmp_path)
+    again = CandidatePool.read(tmp_path / CandidatePool.filename)
+    np.testing.assert_array_equal(again.images, pool.images)
+    np.testing.assert_array_equal(again.seeds, pool.seeds)
+    assert again.seeds.dtype == np.int64 and again.prompts == ["a", "b"] and again.latents is None
+
+
+def test_every_zarr_array_has_named_dimensions_and_one_prompt_per_chunk(tmp_path: Path):
+    import zarr
+
+    _pool().write(tmp_path)
+    group = zarr.open_group(str(tmp_path / CandidatePool.filename), mode="r")
+    images = group["images"]
+    assert images.metadata.dimension_names == ("prompt", "candidate", "y", "x", "rgb")
+    assert images.chunks == (1, 3, 4, 4, 3)
+    assert group["seeds"].metadata.dimension_names == ("prompt", "candidate")
+
+
+def test_zarr_artifact_refuses_disagreeing_prompt_axes_and_missing_arrays(tmp_path: Path):
+    pool = _pool()
     with pytest.raises(ValueError, match="disagree on the prompt axis"):
-        write_arrays(tmp_path / "p.zarr", {"a": np.zeros((2, 3)), "b": np.zeros((3, 3))})
+        CandidatePool(images=pool.images, seeds=pool.seeds[:1], prompt_index=pool.prompt_index).write(tmp_path)
+    with pytest.raises(ValueError, match=r"required arrays missing: \['seeds'\]"):
+        CandidatePool(images=pool.images, prompt_index=pool.prompt_index).write(tmp_path)
 
 
-def test_parquet_round_trip(tmp_path: Path):
-    frame = pd.DataFrame({"seed": np.array([1, 2], np.int64), "value": np.array([0.5, 0.25], np.float32)})
-    write_table(tmp_path / "t.parquet", frame)
-    pd.testing.assert_frame_equal(read_table(tmp_path / "t.parquet"), frame)
+def test_table_artifact_round_trip_and_schema(tmp_path: Path):
+    frame = pd.DataFrame({"prompt": ["a", "b"], "reward": np.array([0.5, 0.25], np.float32)})
+    RewardStats(frame).write(tmp_path)
+    pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / RewardStats.filename), frame)
+    pd.testing.assert_frame_equal(RewardStats.read(tmp_path / RewardStats.filename).frame, frame)
+    with pytest.raises(ValueError, match=r"RewardStats: columns missing: \['reward'\]"):
+        RewardStats(frame[["prompt"]])
 
 
 def test_checkpoint_and_optimizer_state_round_trip(tmp_path: Path):

@@ -105,6 +105,8 @@ class ModelFamily:
     name: ClassVar[str]
     #: Where the weights are published, for the missing-weights error.
     weights_hint: ClassVar[str] = ""
+    #: The diffusers pipeline class of the family (its LoRA loader reads the exported LoRA).
+    pipeline_class: ClassVar[str]
 
     @classmethod
     def validate_config(cls, cfg: RunConfig) -> None:

@@ -188,6 +188,7 @@ class TinyDigits(ModelFamily):
     ``solrl pretrain-tiny-digits --out``."""
 
     name = "tiny-digits"
+    pipeline_class = "SanaPipeline"  # its transformer is a SanaTransformer2DModel; the text encoder is its own
     weights_hint = "shipped with solrl; rebuild with `solrl pretrain-tiny-digits --out DIR`"
 
     @classmethod

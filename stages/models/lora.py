@@ -1,0 +1,50 @@
+"""The trained LoRA in diffusers' format, so a stock pipeline's ``load_lora_weights`` loads it.
+
+solrl keeps three adapters (policy, rollout, EMA) on one transformer; its checkpoint sections key them by
+peft parameter name with the adapter replaced by ``{adapter}``, which diffusers cannot read. This module
+writes one adapter as diffusers does: ``pytorch_lora_weights.safetensors``, keys
+``transformer.<module>.lora_A.weight`` / ``lora_B.weight`` (peft's ``get_peft_model_state_dict``, no
+``base_model.model.`` prefix, no adapter name) and the peft ``LoraConfig`` (rank, alpha, targets) as the
+file's ``lora_adapter_metadata``, written by the family's pipeline class (``save_lora_weights``).
+
+Loading: ``pipe.load_lora_weights(folder)``, or ``transformer.load_lora_adapter(folder,
+weight_name="pytorch_lora_weights.safetensors", prefix="transformer")``. Passing the *file* path to
+``load_lora_adapter`` makes diffusers skip the metadata and assume alpha = rank (diffusers 0.42).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import diffusers
+from peft import get_peft_model_state_dict
+
+from solrl.stages.models.policy import Policy
+
+#: The file name diffusers' ``save_lora_weights`` writes and ``load_lora_weights`` looks for.
+LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
+
+
+def save_diffusers_lora(policy: Policy, adapter: str, pipeline_class: str, out: Path) -> Path:
+    """Write adapter ``adapter`` of ``policy`` to ``out/pytorch_lora_weights.safetensors`` in diffusers' format.
+
+    Args:
+        adapter: ``policy``, ``rollout`` or ``ema``.
+        pipeline_class: the diffusers pipeline of the family (e.g. ``SanaPipeline``), whose LoRA loader mixin
+            writes the file.
+
+    Returns:
+        the file written.
+
+    Raises:
+        KeyError: unknown adapter.
+    """
+    if adapter not in policy.transformer.peft_config:
+        raise KeyError(f"no adapter {adapter!r}; the policy has {sorted(policy.transformer.peft_config)}")
+    state = get_peft_model_state_dict(policy.transformer, adapter_name=adapter)
+    metadata = policy.transformer.peft_config[adapter].to_dict()
+    out.mkdir(parents=True, exist_ok=True)
+    getattr(diffusers, pipeline_class).save_lora_weights(
+        out, transformer_lora_layers=state, transformer_lora_adapter_metadata=metadata
+    )
+    return out / LORA_WEIGHTS

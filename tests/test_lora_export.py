@@ -1,0 +1,120 @@
+"""The trained LoRA outside solrl: diffusers' format, loaded by a stock SanaTransformer2DModel, same output."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from diffusers import SanaTransformer2DModel
+from peft import get_peft_model_state_dict
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from solrl.cli import app
+from solrl.config import load_config
+from solrl.stages.models import load_model
+from solrl.stages.models.lora import LORA_WEIGHTS, save_diffusers_lora
+from solrl.stages.models.policy import Policy
+from solrl.stages.models.tiny_digits import TINY_DIGITS_WEIGHTS
+
+
+def _stock_transformer_with(folder: Path, caplog) -> SanaTransformer2DModel:
+    """A stock diffusers transformer with the exported LoRA loaded the way diffusers' pipelines do."""
+    transformer = SanaTransformer2DModel.from_pretrained(TINY_DIGITS_WEIGHTS / "transformer")
+    with caplog.at_level(logging.WARNING, logger="diffusers"):
+        transformer.load_lora_adapter(
+            str(folder), weight_name=LORA_WEIGHTS, prefix="transformer", adapter_name="exported"
+        )
+    assert not [r for r in caplog.records if "unexpected" in r.getMessage() or "missing" in r.getMessage()]
+    return transformer
+
+
+def _trained_policy(rank: int, alpha: float) -> Policy:
+    policy = Policy(load_model(load_config().model, torch.device("cpu")), rank, alpha, seed=0)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # as if trained: LoRA B away from its zero init
+        for key, p in policy.adapter_params("policy").items():
+            if "lora_B" in key:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return policy
+
+
+def test_exported_keys_are_diffusers_format_not_peft_format(tmp_path: Path):
+    path = save_diffusers_lora(_trained_policy(4, 8.0), "policy", "SanaPipeline", tmp_path)
+    keys = list(load_file(path))
+    assert path.name == LORA_WEIGHTS and keys and all(k.startswith("transformer.") for k in keys)
+    assert not [k for k in keys if "base_model.model." in k or ".default" in k or "{adapter}" in k or ".policy." in k]
+
+
+def test_exported_lora_loads_without_missing_keys_and_reproduces_the_policy(tmp_path: Path, caplog):
+    policy = _trained_policy(4, 8.0)  # alpha != rank: the scale alpha / r = 2 must travel with the file
+    save_diffusers_lora(policy, "policy", "SanaPipeline", tmp_path)
+    stock = _stock_transformer_with(tmp_path, caplog)
+    ours = get_peft_model_state_dict(policy.transformer, adapter_name="policy")
+    theirs = get_peft_model_state_dict(stock, adapter_name="exported")
+    assert set(theirs) == set(ours)
+    for key in ours:
+        torch.testing.assert_close(theirs[key], ours[key], rtol=0, atol=0)
+    model = policy.model
+    x = torch.randn(3, 1, 16, 16, generator=torch.Generator().manual_seed(0))
+    sigma = torch.tensor([0.9, 0.5, 0.2])
+    emb, mask = model.encode(["the digit one", "a handwritten digit two", "the digit nine"])
+    with torch.no_grad():
+        expected = policy.velocity("policy", x, sigma, emb, mask)
+        base = policy.velocity("reference", x, sigma, emb, mask)
+        got = model.velocity(stock, x, sigma, emb, mask)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    assert (got - base).abs().max() > 1e-2  # the LoRA changes the output, as the policy does
+
+
+def test_unknown_adapter_is_refused(tmp_path: Path):
+    with pytest.raises(KeyError, match="no adapter 'best'"):
+        save_diffusers_lora(_trained_policy(4, 4.0), "best", "SanaPipeline", tmp_path)
+
+
+@pytest.mark.slow
+def test_checkpoint_stage_and_solrl_export_write_a_loadable_lora(tmp_path: Path, caplog):
+    from conftest import tiny_config
+
+    from solrl.stages.context import StageContext
+    from solrl.stages.pipeline import ITERATION, run_stage
+    from solrl.storage.artifacts import Checkpoint
+    from solrl.storage.runs import create_run
+    from solrl.storage.stage import stage_dir
+
+    cfg = tiny_config(tmp_path / "store", "fidelity.audit_every=0")
+    run = create_run(cfg, "export")
+    ctx = StageContext(cfg, run.run_dir, run.run_id, 1)
+    for stage in ITERATION:
+        if stage.name not in ("audit", "evaluate"):
+            run_stage(ctx, stage.name)
+    in_checkpoint = stage_dir(run.run_dir, 1, "checkpoint") / "lora"
+    runner = CliRunner()
+    result = runner.invoke(
+        app, ["export", "export", "--out", str(tmp_path / "out"), "--store", str(run.run_dir.parent)]
+    )
+    assert result.exit_code == 0, result.output
+    assert f"iteration 1 written to {tmp_path / 'out' / LORA_WEIGHTS}" in result.stdout
+    torch.testing.assert_close(load_file(tmp_path / "out" / LORA_WEIGHTS), load_file(in_checkpoint / LORA_WEIGHTS))
+    stock = _stock_transformer_with(in_checkpoint, caplog)
+    policy = ctx.load_policy(Checkpoint.load(run.run_dir, 1))
+    x, sigma = torch.randn(2, 1, 16, 16), torch.tensor([0.7, 0.3])
+    emb, mask = policy.model.encode(["the digit four", "the digit five"])
+    with torch.no_grad():
+        torch.testing.assert_close(
+            policy.model.velocity(stock, x, sigma, emb, mask),
+            policy.velocity("policy", x, sigma, emb, mask),
+            rtol=1e-4,
+            atol=1e-5,
+        )
+
+    for args, message in (
+        (["--iteration", "7"], "no committed checkpoint at iteration 7; committed: 1"),
+        (["--adapter", "best"], "--adapter 'best': choose one of policy, rollout, ema"),
+    ):
+        bad = runner.invoke(
+            app, ["export", "export", "--out", str(tmp_path / "x"), "--store", str(run.run_dir.parent), *args]
+        )
+        assert bad.exit_code == 2 and message in bad.stderr, bad.output
