@@ -62,7 +62,7 @@ def load_batch(ctx: StageContext, policy: Policy, samples: Samples, advantages: 
     """Flatten the group samples ``[P, k, ...]`` into a ``Batch`` of B = P * k on the device."""
     device, model = ctx.device, policy.model
     P, k = samples.seeds.shape
-    emb, mask = model.encode([samples.prompts[p] for p in range(P) for _ in range(k)])
+    cond = model.encode([samples.prompts[p] for p in range(P) for _ in range(k)])
 
     def flat(a: np.ndarray | None) -> torch.Tensor | None:  # [P, k, ...] -> [B, ...] on the device
         return None if a is None else torch.from_numpy(np.asarray(a)).reshape(P * k, *a.shape[2:]).to(device)
@@ -70,8 +70,7 @@ def load_batch(ctx: StageContext, policy: Policy, samples: Samples, advantages: 
     return Batch(
         flat(samples.latents),
         torch.from_numpy(advantages.reshape(-1)).to(device),
-        emb,
-        mask,
+        cond,
         model.sigmas(ctx.cfg.regenerate.steps),
         flat(samples.trajectory),
         flat(samples.log_probs),

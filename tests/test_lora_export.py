@@ -60,11 +60,11 @@ def test_exported_lora_loads_without_missing_keys_and_reproduces_the_policy(tmp_
     model = policy.model
     x = torch.randn(3, 1, 16, 16, generator=torch.Generator().manual_seed(0))
     sigma = torch.tensor([0.9, 0.5, 0.2])
-    emb, mask = model.encode(["the digit one", "a handwritten digit two", "the digit nine"])
+    cond = model.encode(["the digit one", "a handwritten digit two", "the digit nine"])
     with torch.no_grad():
-        expected = policy.velocity("policy", x, sigma, emb, mask)
-        base = policy.velocity("reference", x, sigma, emb, mask)
-        got = model.velocity(stock, x, sigma, emb, mask)
+        expected = policy.velocity("policy", x, sigma, cond)
+        base = policy.velocity("reference", x, sigma, cond)
+        got = model.velocity(stock, x, sigma, cond)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
     assert (got - base).abs().max() > 1e-2  # the LoRA changes the output, as the policy does
 
@@ -101,11 +101,11 @@ def test_checkpoint_stage_and_solrl_export_write_a_loadable_lora(tmp_path: Path,
     stock = _stock_transformer_with(in_checkpoint, caplog)
     policy = ctx.load_policy(Checkpoint.load(run.run_dir, 1))
     x, sigma = torch.randn(2, 1, 16, 16), torch.tensor([0.7, 0.3])
-    emb, mask = policy.model.encode(["the digit four", "the digit five"])
+    cond = policy.model.encode(["the digit four", "the digit five"])
     with torch.no_grad():
         torch.testing.assert_close(
-            policy.model.velocity(stock, x, sigma, emb, mask),
-            policy.velocity("policy", x, sigma, emb, mask),
+            policy.model.velocity(stock, x, sigma, cond),
+            policy.velocity("policy", x, sigma, cond),
             rtol=1e-4,
             atol=1e-5,
         )

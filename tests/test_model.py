@@ -25,8 +25,8 @@ def policy() -> Policy:
 
 def _inputs(policy: Policy, n: int = 3):
     torch.manual_seed(1)
-    emb, mask = policy.model.encode(["a handwritten digit three"] * n)
-    return torch.randn(n, 1, 16, 16), torch.full((n,), 0.7), emb, mask
+    cond = policy.model.encode(["a handwritten digit three"] * n)
+    return torch.randn(n, 1, 16, 16), torch.full((n,), 0.7), cond
 
 
 def test_prompt_digit_and_tokenizer():
@@ -48,8 +48,8 @@ def test_shipped_model_is_a_real_diffusers_sana_transformer():
 
 
 def test_fresh_adapters_are_identical_and_equal_to_the_base(policy: Policy):
-    x, s, emb, mask = _inputs(policy)
-    outs = [policy.velocity(w, x, s, emb, mask) for w in ("policy", "rollout", "ema", "reference")]
+    x, s, cond = _inputs(policy)
+    outs = [policy.velocity(w, x, s, cond) for w in ("policy", "rollout", "ema", "reference")]
     for out in outs[1:]:
         torch.testing.assert_close(out, outs[0])
 
@@ -64,21 +64,17 @@ def test_only_the_policy_adapter_is_trainable(policy: Policy):
 
 
 def test_blend_moves_rollout_toward_policy_and_merged_copy_matches(policy: Policy):
-    x, s, emb, mask = _inputs(policy)
+    x, s, cond = _inputs(policy)
     with torch.no_grad():
         for p in policy.trainable_parameters():
             p.add_(0.05 * torch.randn_like(p))
     policy.blend_("rollout", "policy", decay=0.0)
-    torch.testing.assert_close(
-        policy.velocity("rollout", x, s, emb, mask), policy.velocity("policy", x, s, emb, mask).detach()
-    )
-    assert not torch.allclose(
-        policy.velocity("rollout", x, s, emb, mask), policy.velocity("reference", x, s, emb, mask)
-    )
+    torch.testing.assert_close(policy.velocity("rollout", x, s, cond), policy.velocity("policy", x, s, cond).detach())
+    assert not torch.allclose(policy.velocity("rollout", x, s, cond), policy.velocity("reference", x, s, cond))
     merged = policy.merged_copy("rollout")
     torch.testing.assert_close(
-        policy.model.velocity(merged, x, s, emb, mask),
-        policy.velocity("rollout", x, s, emb, mask),
+        policy.model.velocity(merged, x, s, cond),
+        policy.velocity("rollout", x, s, cond),
         rtol=1e-4,
         atol=1e-5,
     )
@@ -168,7 +164,7 @@ def test_hardware_explore_backends_refuse_a_machine_without_the_hardware(policy:
 def test_explore_copy_syncs_in_place_and_equals_a_fresh_build(policy: Policy):
     from solrl.stages.quant.backends import explore_copy
 
-    x, s, emb, mask = _inputs(policy)
+    x, s, cond = _inputs(policy)
     first = explore_copy(policy, "nvfp4_emulated")
     with torch.no_grad():
         for p in policy.adapter_params("rollout").values():
@@ -179,5 +175,5 @@ def test_explore_copy_syncs_in_place_and_equals_a_fresh_build(policy: Policy):
     fresh = explore_copy(policy, "nvfp4_emulated")
     assert fresh is not first
     torch.testing.assert_close(
-        policy.model.velocity(synced, x, s, emb, mask), policy.model.velocity(fresh, x, s, emb, mask), rtol=0, atol=0
+        policy.model.velocity(synced, x, s, cond), policy.model.velocity(fresh, x, s, cond), rtol=0, atol=0
     )

@@ -8,6 +8,7 @@ from typing import ClassVar
 import torch
 
 from solrl.config import RunConfig, TrainConfig
+from solrl.stages.models.adapter import Conditioning
 from solrl.stages.models.policy import Policy
 
 
@@ -17,8 +18,7 @@ class Batch:
 
     x0: torch.Tensor  # float32 [B, C, h, w], the clean samples
     advantages: torch.Tensor  # float32 [B]
-    emb: torch.Tensor  # [B, L, D] prompt embeddings
-    mask: torch.Tensor  # [B, L]
+    cond: Conditioning  # the prompts' conditioning, name -> [B, ...] (ModelAdapter.encode)
     sigmas: torch.Tensor  # [S + 1] the sampling grid
     trajectory: torch.Tensor | None  # float32 [B, S + 1, C, h, w] (SDE rollouts)
     old_log_probs: torch.Tensor | None  # float32 [B, S] (SDE rollouts)

@@ -16,7 +16,7 @@ import torch
 from solrl.config import RunConfig
 from solrl.registry import register_loss
 from solrl.stages.losses.base import Batch, PolicyLoss
-from solrl.stages.models.adapter import compute_precision
+from solrl.stages.models.adapter import compute_precision, select
 from solrl.stages.models.policy import Policy
 from solrl.stages.sampling.sde import gaussian_log_prob, sde_mean, sde_std
 
@@ -127,11 +127,11 @@ class FlowGRPO(PolicyLoss):
         n = x_t.shape[0]
         sigma, sigma_next = batch.sigmas[t_index].expand(n), batch.sigmas[t_index + 1].expand(n)
         sigma_max = float(batch.sigmas[1])
-        emb, mask = batch.emb[mb], batch.mask[mb]
+        cond = select(batch.cond, mb)
         with compute_precision(x_t.device):
-            v = policy.velocity("policy", x_t, sigma, emb, mask)
+            v = policy.velocity("policy", x_t, sigma, cond)
             with torch.no_grad():
-                v_ref = policy.velocity("reference", x_t, sigma, emb, mask) if tc.kl_beta else None
+                v_ref = policy.velocity("reference", x_t, sigma, cond) if tc.kl_beta else None
         mean = sde_mean(x_t, v, sigma, sigma_next, noise_level, sigma_max)
         std = sde_std(sigma, sigma_next, noise_level, sigma_max)
         log_prob = gaussian_log_prob(x_next, mean, std)  # fp32

@@ -1,15 +1,16 @@
 """The model adapter: what the stages need from a diffusers text-to-image family.
 
-An adapter holds the policy transformer, the frozen text encoder (with a
+An adapter holds the policy transformer, the frozen text encoder(s) (with a
 prompt-embedding cache), the decoder from latents to uint8 images, the
 flow-matching sigma schedule, the LoRA target modules and the NVFP4 skip list.
-A family is a ``ModelFamily`` plug-in registered under its ``model.family``
-name (``solrl.registry.register_model``); ``load`` builds its ``ModelAdapter``.
+Each family is one ``ModelAdapter`` subclass registered under its
+``model.family`` name (``solrl.registry.register_model``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import json
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,9 @@ from torch import nn
 
 from solrl.config import ConfigError, ModelConfig, RunConfig
 from solrl.registry import MODELS
+
+#: What a text encoder gives the transformer for a batch of prompts: name -> tensor ``[B, ...]``.
+Conditioning = dict[str, torch.Tensor]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -43,63 +47,15 @@ def compute_precision(device: torch.device) -> Iterator[None]:
 
 @dataclass
 class ModelAdapter:
-    """One model family, loaded. ``transformer`` is the policy network (LoRA is added by ``Policy``)."""
+    """One model family as a plug-in (``solrl.registry.register_model``), and, once loaded, what the stages need
+    from it.
 
-    family: str
-    transformer: nn.Module
-    text_encoder: nn.Module
-    tokenize: Callable[[list[str]], tuple[torch.Tensor, torch.Tensor]]
-    decode_fn: Callable[[torch.Tensor], np.ndarray]
-    latent_shape: tuple[int, int, int]  # (C, h, w)
-    lora_targets: tuple[str, ...]
-    nvfp4_skip: tuple[str, ...]
-    shift: float
-    device: torch.device
-    _cache: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
-
-    def encode(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Prompt embeddings ``float32 [B, L, D]`` and mask ``int64 [B, L]``, cached per prompt."""
-        missing = sorted({p for p in prompts if p not in self._cache})
-        if missing:
-            ids, mask = self.tokenize(missing)
-            with torch.no_grad():
-                emb = self.text_encoder(ids.to(self.device)).float()
-            for i, p in enumerate(missing):
-                self._cache[p] = (emb[i], mask[i].to(self.device))
-        emb = torch.stack([self._cache[p][0] for p in prompts])
-        mask = torch.stack([self._cache[p][1] for p in prompts])
-        return emb, mask
-
-    def decode(self, latents: torch.Tensor) -> np.ndarray:
-        """Final latents ``[B, C, h, w]`` -> uint8 images ``[B, H, W, 3]``."""
-        return self.decode_fn(latents)
-
-    def sigmas(self, steps: int) -> torch.Tensor:
-        """The sampling sigma grid ``float32 [steps + 1]``, 1 -> 0, from FlowMatchEulerDiscreteScheduler(shift)."""
-        scheduler = FlowMatchEulerDiscreteScheduler(shift=self.shift)
-        scheduler.set_timesteps(steps, device="cpu")
-        return scheduler.sigmas.float().to(self.device)
-
-    def velocity(
-        self, model: nn.Module, x: torch.Tensor, sigma: torch.Tensor, emb: torch.Tensor, mask: torch.Tensor
-    ) -> torch.Tensor:
-        """Predicted flow velocity ``v ~ eps - x0`` for ``x [B, C, h, w]`` at ``sigma [B]`` (timestep = 1000 sigma)."""
-        out = model(
-            hidden_states=x,
-            encoder_hidden_states=emb,
-            timestep=sigma * 1000.0,
-            encoder_attention_mask=mask,
-            return_dict=False,
-        )[0]
-        return out
-
-
-class ModelFamily:
-    """One model family as a plug-in (``solrl.registry.register_model``): how to check, load and describe it.
-
-    Subclasses set ``name`` and ``weights_hint`` and implement ``load``; ``validate_config`` (pure: what a
-    valid config of this family is, anywhere) and ``check_runnable`` (this machine: weights present) default
-    to no checks.
+    Class level (no weights needed): ``validate_config`` (pure: what a valid config of this family is,
+    anywhere), ``check_runnable`` (this machine: the weights files are there), ``architecture`` (what a
+    checkpoint records), ``load`` (build the adapter on a device). Instance level: ``encode`` prompts to the
+    transformer's conditioning (cached per prompt), ``velocity`` of a network at ``(x, sigma)``, ``decode``
+    latents to uint8 images, ``sigmas`` of the sampler. Subclasses set the class attributes and implement
+    ``load``, ``_encode``, ``decode`` and ``velocity``.
     """
 
     name: ClassVar[str]
@@ -107,7 +63,20 @@ class ModelFamily:
     weights_hint: ClassVar[str] = ""
     #: The diffusers pipeline class of the family (its LoRA loader reads the exported LoRA).
     pipeline_class: ClassVar[str]
+    #: peft ``target_modules`` of the policy LoRA.
+    lora_targets: ClassVar[tuple[str, ...]]
+    #: Module-name fragments the low-precision explore copy leaves in high precision (Sol-RL skip rules).
+    nvfp4_skip: ClassVar[tuple[str, ...]]
 
+    transformer: nn.Module
+    device: torch.device
+    #: Latent shape of one sample ``(C, h, w)`` as the transformer and the samplers see it.
+    latent_shape: tuple[int, int, int]
+    #: ``FlowMatchEulerDiscreteScheduler`` shift of the sigma schedule.
+    shift: float
+    _cache: dict[str, Conditioning] = field(default_factory=dict, init=False, repr=False)
+
+    # -- class level: checks that need no weights loaded -------------------------------------------------------
     @classmethod
     def validate_config(cls, cfg: RunConfig) -> None:
         """Family-specific rules of a valid config (pure). Raises ValueError naming the value and the fix."""
@@ -137,16 +106,53 @@ class ModelFamily:
 
     @classmethod
     def load(cls, cfg: ModelConfig, device: torch.device) -> ModelAdapter:
+        """Build the adapter with the weights of ``cfg.path`` on ``device``."""
         raise NotImplementedError
 
     @classmethod
     def architecture(cls, cfg: ModelConfig) -> dict[str, Any]:
-        """What a checkpoint records to describe the model it belongs to (configs of the trained modules)."""
-        return {}
+        """What a checkpoint records to describe the model it belongs to: the transformer's diffusers config."""
+        path = cls.weights_dir(cfg) / "transformer" / "config.json"
+        return {"transformer": json.loads(path.read_text(encoding="utf-8"))}
+
+    # -- instance level ----------------------------------------------------------------------------------------
+    def _encode(self, prompts: list[str]) -> Conditioning:
+        """The conditioning of ``prompts`` (uncached): name -> tensor with a leading batch axis ``[B, ...]``."""
+        raise NotImplementedError
+
+    def encode(self, prompts: list[str]) -> Conditioning:
+        """The transformer's conditioning of ``prompts``, cached per prompt: name -> ``[B, ...]`` on the device
+        (e.g. ``emb`` float32 ``[B, L, D]``, ``mask`` int64 ``[B, L]``, ``pooled`` ``[B, D']``)."""
+        missing = sorted({p for p in prompts if p not in self._cache})
+        if missing:
+            with torch.no_grad():
+                fresh = self._encode(missing)
+            for i, p in enumerate(missing):
+                self._cache[p] = {k: v[i] for k, v in fresh.items()}
+        return {k: torch.stack([self._cache[p][k] for p in prompts]) for k in self._cache[prompts[0]]}
+
+    def decode(self, latents: torch.Tensor) -> np.ndarray:
+        """Final latents ``[B, C, h, w]`` -> uint8 images ``[B, H, W, 3]``."""
+        raise NotImplementedError
+
+    def sigmas(self, steps: int) -> torch.Tensor:
+        """The sampling sigma grid ``float32 [steps + 1]``, 1 -> 0, from FlowMatchEulerDiscreteScheduler(shift)."""
+        scheduler = FlowMatchEulerDiscreteScheduler(shift=self.shift)
+        scheduler.set_timesteps(steps, device="cpu")
+        return scheduler.sigmas.float().to(self.device)
+
+    def velocity(self, net: nn.Module, x: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        """Predicted flow velocity ``v ~ eps - x0`` of ``net`` for ``x [B, C, h, w]`` at ``sigma [B]``."""
+        raise NotImplementedError
 
 
-def model_family(cfg: ModelConfig) -> type[ModelFamily]:
-    """The registered family of ``cfg.family``. Raises ValueError for an unknown family."""
+def select(cond: Conditioning, index: slice | torch.Tensor) -> Conditioning:
+    """The rows ``index`` of every tensor of a conditioning."""
+    return {k: v[index] for k, v in cond.items()}
+
+
+def model_family(cfg: ModelConfig) -> type[ModelAdapter]:
+    """The registered adapter class of ``cfg.family``. Raises ValueError for an unknown family."""
     return MODELS.get(cfg.family)
 
 

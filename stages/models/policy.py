@@ -23,7 +23,7 @@ from peft import LoraConfig
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
-from solrl.stages.models import ModelAdapter
+from solrl.stages.models.adapter import Conditioning, ModelAdapter
 
 ADAPTERS = ("policy", "rollout", "ema")
 Which = Literal["policy", "rollout", "ema", "reference"]
@@ -121,12 +121,10 @@ class Policy:
         finally:
             self._activate("policy")
 
-    def velocity(
-        self, which: Which, x: torch.Tensor, sigma: torch.Tensor, emb: torch.Tensor, mask: torch.Tensor
-    ) -> torch.Tensor:
+    def velocity(self, which: Which, x: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> torch.Tensor:
         """Velocity of ``which`` at ``x [B, C, h, w]``, ``sigma [B]``; no grad unless ``which == 'policy'``."""
         with self.using(which) as net, torch.set_grad_enabled(which == "policy" and torch.is_grad_enabled()):
-            return self.model.velocity(net, x, sigma, emb, mask)
+            return self.model.velocity(net, x, sigma, cond)
 
     @torch.no_grad()
     def merged_weights(self, which: Which = "rollout") -> dict[str, torch.Tensor]:

@@ -12,10 +12,10 @@ gamed.
 
 from __future__ import annotations
 
-import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -26,7 +26,7 @@ from torch import nn
 
 from solrl.config import ModelConfig
 from solrl.registry import register_model
-from solrl.stages.models.adapter import ModelAdapter, ModelFamily
+from solrl.stages.models.adapter import Conditioning, ModelAdapter
 
 DIGIT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 #: Words the tiny text encoder knows; anything else maps to <unk>.
@@ -183,13 +183,20 @@ TINY_DIGITS_WEIGHTS = Path(__file__).parent / "weights" / "tiny-digits"
 
 
 @register_model("tiny-digits")
-class TinyDigits(ModelFamily):
-    """The CPU model shipped with solrl: ``model.path`` null = the shipped weights, else a folder written by
-    ``solrl pretrain-tiny-digits --out``."""
+@dataclass
+class TinyDigits(ModelAdapter):
+    """The CPU model shipped with solrl: a ``SanaTransformer2DModel`` in pixel space (the "VAE" is the
+    identity) with its own word-level text encoder. ``model.path`` null = the shipped weights, else a folder
+    written by ``solrl pretrain-tiny-digits --out``."""
 
-    name = "tiny-digits"
-    pipeline_class = "SanaPipeline"  # its transformer is a SanaTransformer2DModel; the text encoder is its own
-    weights_hint = "shipped with solrl; rebuild with `solrl pretrain-tiny-digits --out DIR`"
+    name: ClassVar[str] = "tiny-digits"
+    weights_hint: ClassVar[str] = "shipped with solrl; rebuild with `solrl pretrain-tiny-digits --out DIR`"
+    pipeline_class: ClassVar[str] = "SanaPipeline"  # its transformer is a Sana one; the text encoder is its own
+    # Attention and the 1x1 feed-forward convs; the 3x3 depthwise conv is left out (peft cannot merge into it).
+    lora_targets: ClassVar[tuple[str, ...]] = ("to_q", "to_k", "to_v", "to_out.0", "conv_inverted", "conv_point")
+    nvfp4_skip: ClassVar[tuple[str, ...]] = ("patch_embed", "time_embed", "caption_projection", "proj_out", "norm")
+
+    text_encoder: nn.Module = None  # type: ignore[assignment]
 
     @classmethod
     def weights_dir(cls, cfg: ModelConfig) -> Path:
@@ -204,29 +211,41 @@ class TinyDigits(ModelFamily):
         )
 
     @classmethod
-    def load(cls, cfg: ModelConfig, device: torch.device) -> ModelAdapter:
+    def load(cls, cfg: ModelConfig, device: torch.device) -> TinyDigits:
         root = cls.weights_dir(cfg)
         transformer = SanaTransformer2DModel.from_pretrained(root / "transformer").to(device)
         text_encoder = TinyTextEncoder()
         text_encoder.load_state_dict(load_file(root / "text_encoder.safetensors"))
         text_encoder.to(device).eval().requires_grad_(False)
-        return ModelAdapter(
-            family=cls.name,
+        return cls(
             transformer=transformer,
-            text_encoder=text_encoder,
-            tokenize=tokenize,
-            decode_fn=latents_to_images,
-            latent_shape=(1, IMAGE_SIZE, IMAGE_SIZE),
-            # Attention and the 1x1 feed-forward convs; the 3x3 depthwise conv is left out
-            # (peft cannot merge LoRA into it).
-            lora_targets=("to_q", "to_k", "to_v", "to_out.0", "conv_inverted", "conv_point"),
-            nvfp4_skip=("patch_embed", "time_embed", "caption_projection", "proj_out", "norm"),
-            shift=cfg.sampler_shift,
             device=device,
+            latent_shape=(1, IMAGE_SIZE, IMAGE_SIZE),
+            shift=cfg.sampler_shift,
+            text_encoder=text_encoder,
         )
 
     @classmethod
     def architecture(cls, cfg: ModelConfig) -> dict[str, Any]:
         """The transformer's diffusers config and the text encoder's dimensions."""
-        config = json.loads((cls.weights_dir(cfg) / "transformer" / "config.json").read_text(encoding="utf-8"))
-        return {"transformer": config, "text_encoder": {"vocab": len(VOCAB), "dim": TEXT_DIM, "max_tokens": MAX_TOKENS}}
+        return super().architecture(cfg) | {
+            "text_encoder": {"vocab": len(VOCAB), "dim": TEXT_DIM, "max_tokens": MAX_TOKENS}
+        }
+
+    def _encode(self, prompts: list[str]) -> Conditioning:
+        """``emb`` float32 ``[B, MAX_TOKENS, TEXT_DIM]`` and ``mask`` int64 ``[B, MAX_TOKENS]``."""
+        ids, mask = tokenize(prompts)
+        return {"emb": self.text_encoder(ids.to(self.device)).float(), "mask": mask.to(self.device)}
+
+    def decode(self, latents: torch.Tensor) -> np.ndarray:
+        return latents_to_images(latents)
+
+    def velocity(self, net: nn.Module, x: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        """``net``'s velocity at ``x [B, 1, 16, 16]``, ``sigma [B]`` (timestep = 1000 sigma, as in pretraining)."""
+        return net(
+            hidden_states=x,
+            encoder_hidden_states=cond["emb"],
+            timestep=sigma * 1000.0,
+            encoder_attention_mask=cond["mask"],
+            return_dict=False,
+        )[0]

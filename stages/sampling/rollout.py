@@ -10,7 +10,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from solrl.stages.models import ModelAdapter
-from solrl.stages.models.adapter import compute_precision
+from solrl.stages.models.adapter import Conditioning, compute_precision
 from solrl.stages.sampling.samplers import Trajectory, batched, initial_noise, sample_ode, sample_sde, seed_noise
 
 
@@ -44,13 +44,11 @@ def generate(
     parts = []
     chunks = batched(len(prompts), batch_size)
     for chunk in tqdm(chunks, desc=desc, unit="batch", disable=len(chunks) < 4, leave=False):
-        emb, mask = model.encode(list(prompts[chunk]))
+        cond = model.encode(list(prompts[chunk]))
 
-        def velocity(
-            x: torch.Tensor, sigma: torch.Tensor, emb: torch.Tensor = emb, mask: torch.Tensor = mask
-        ) -> torch.Tensor:
+        def velocity(x: torch.Tensor, sigma: torch.Tensor, cond: Conditioning = cond) -> torch.Tensor:
             with compute_precision(model.device):
-                return model.velocity(net, x, sigma, emb, mask)
+                return model.velocity(net, x, sigma, cond)
 
         if noise_level > 0:
             noise = seed_noise(seeds[chunk], model.latent_shape, steps + 1, model.device)
