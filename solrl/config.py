@@ -61,9 +61,30 @@ class ModelConfig(_Section):
         "tiny-digits", description="Registered model family (DESIGN 5). tiny-digits: the CPU model shipped with solrl."
     )
     path: str | None = Field(
-        None, description="Local weights folder (or hub id where the user has it); null = weights shipped with solrl."
+        None,
+        description="Diffusers-format weights folder (or a hub id where the user is online and has the weights); "
+        "null = the family's default (tiny-digits: shipped; tiny-*: built on first use in the solrl cache).",
     )
-    sampler_shift: float = Field(2.0, gt=0, description="FlowMatchEulerDiscreteScheduler shift for the sigma schedule.")
+    resolution: int | None = Field(
+        None, ge=8, description="Image height and width in pixels; null = the family's default."
+    )
+    sampler_shift: float = Field(
+        2.0,
+        gt=0,
+        description="FlowMatchEulerDiscreteScheduler shift of the sigma schedule (FLUX.1 shifts "
+        "dynamically with the image size instead).",
+    )
+    solver: Literal["euler", "dpm2"] = Field(
+        "euler",
+        description="ODE solver of every rollout: euler (first order) or dpm2 (DPM-Solver++(2M), second "
+        "order, one model call per step; Sol-RL's FLUX.1 and SD3.5 configs).",
+    )
+    guidance: float = Field(
+        1.0, ge=0, description="FLUX.1-dev guidance-embedding value (Sol-RL samples without CFG: 1.0)."
+    )
+    max_sequence_length: int | None = Field(
+        None, ge=1, description="Text tokens of the (T5 / Gemma) text encoder; null = the family's default."
+    )
     lora_rank: int = Field(8, ge=1, description="LoRA rank of the trained policy adapter (peft).")
     lora_alpha: float = Field(8.0, gt=0, description="LoRA alpha (scaling = alpha / rank).")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available, else cpu.")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -15,7 +17,9 @@ from solrl.stages.models.policy import ADAPTERS, Policy
 from solrl.stages.sampling.samplers import derive_seed
 from solrl.storage.artifacts import CheckpointArtifact
 
-#: The loaded policy of this process, keyed by (model config, run seed, device).
+#: Folder of the run store caching the prompt embeddings of a run (one safetensors file per model and prompt set).
+PROMPT_EMBEDDINGS = "prompt_embeddings"
+#: The loaded policy of this process, keyed by (model config, run seed, device, run folder).
 _POLICIES: dict[tuple[str, int, str], Policy] = {}
 
 
@@ -57,15 +61,24 @@ class StageContext:
     def load_policy(self, checkpoint: CheckpointArtifact | None) -> Policy:
         """The model with policy/rollout/EMA adapters as of ``checkpoint`` (None: the base model's fresh LoRA).
 
-        The model is loaded once per process and kept (for a SANA-size model, loading dominates a stage);
-        every call sets all three adapters from the checkpoint (or the fresh LoRA init), so no state leaks
-        from one stage to the next, and the quantized explore copy is then synced in place.
+        The model is loaded once per process and run and kept (for a SANA-size model, loading dominates a
+        stage); the run's training and evaluation prompts are encoded once (cached in the run store, under
+        ``prompt_embeddings/``) and the text encoders released. Every call sets all three adapters from the
+        checkpoint (or the fresh LoRA init), so no state leaks from one stage to the next, and the quantized
+        explore copy is then synced in place.
         """
-        key = (self.cfg.model.model_dump_json(), self.cfg.campaign.seed, str(self.device))
+        key = (self.cfg.model.model_dump_json(), self.cfg.campaign.seed, str(self.device), str(self.run_dir))
         policy = _POLICIES.get(key)
         if policy is None:
             _POLICIES.clear()  # one model in memory at a time
             model = load_model(self.cfg.model, self.device)
+            prompts = self.cfg.train_prompts() + self.cfg.eval_prompts()
+            digest = hashlib.sha256(
+                json.dumps([self.cfg.model.model_dump(mode="json"), sorted(set(prompts))], sort_keys=True).encode()
+            ).hexdigest()[:16]
+            model.precompute(
+                prompts, self.run_dir / PROMPT_EMBEDDINGS / f"{self.cfg.model.family}-{digest}.safetensors"
+            )
             policy = _POLICIES[key] = Policy(
                 model,
                 self.cfg.model.lora_rank,

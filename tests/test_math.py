@@ -180,3 +180,36 @@ def test_pool_agreement_references_match_the_paper_for_12_of_96():
     noise = pool_agreement(rng.normal(size=(200, 96)), rng.normal(size=(200, 96)), k=24)
     assert noise["best_true_rank"] == pytest.approx(48.5, abs=2.0) and abs(noise["spearman"]) < 0.05
     assert noise["top12_match"] == pytest.approx(12 / 96, abs=0.03)
+
+
+def test_dpm2_equals_diffusers_dpm_solver_plus_plus_2m_on_the_same_sigmas():
+    from diffusers import DPMSolverMultistepScheduler
+
+    from solrl.stages.sampling.samplers import sample_dpm2, sample_ode_with
+
+    torch.manual_seed(0)
+    weight = torch.randn(4, 4) * 0.3
+
+    def velocity(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:  # a smooth, nonlinear field
+        return torch.tanh(torch.einsum("ij,bjhw->bihw", weight, x)) + sigma[:, None, None, None] * x
+
+    scheduler = DPMSolverMultistepScheduler(
+        solver_order=2,
+        algorithm_type="dpmsolver++",
+        prediction_type="flow_prediction",
+        use_flow_sigmas=True,
+        flow_shift=3.0,
+        lower_order_final=True,
+        final_sigmas_type="zero",
+    )
+    scheduler.set_timesteps(6)
+    noise = torch.randn(2, 4, 3, 3)
+    x = noise.clone()
+    for i, t in enumerate(scheduler.timesteps):
+        x = scheduler.step(velocity(x, scheduler.sigmas[i].expand(2)), t, x).prev_sample
+    ours = sample_dpm2(velocity, noise, scheduler.sigmas.float())
+    torch.testing.assert_close(ours, x, rtol=1e-5, atol=1e-5)
+    euler = sample_ode_with("euler")(velocity, noise, scheduler.sigmas.float())
+    assert (euler - x).abs().max() > 1e-3  # second order differs from Euler on a nonlinear field
+    with pytest.raises(ValueError, match="unknown ODE solver 'heun'"):
+        sample_ode_with("heun")

@@ -85,6 +85,11 @@ class FlowGRPO(PolicyLoss):
 
     @classmethod
     def validate_config(cls, cfg: RunConfig) -> None:
+        if cfg.model.solver != "euler":
+            raise ValueError(
+                f"train.loss=flow_grpo samples with the Euler-based Flow-GRPO SDE, so model.solver="
+                f"{cfg.model.solver} cannot apply; set model.solver=euler or train.loss=nft"
+            )
         if cfg.regenerate.noise_level <= 0:
             raise ValueError(
                 "train.loss=flow_grpo needs an SDE sampler but regenerate.noise_level=0 samples "

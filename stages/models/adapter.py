@@ -10,6 +10,7 @@ Each family is one ``ModelAdapter`` subclass registered under its
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from solrl.config import ConfigError, ModelConfig, RunConfig
@@ -74,7 +76,10 @@ class ModelAdapter:
     latent_shape: tuple[int, int, int]
     #: ``FlowMatchEulerDiscreteScheduler`` shift of the sigma schedule.
     shift: float
+    #: ODE solver of every rollout (``model.solver``): ``euler`` or ``dpm2``.
+    solver: str = "euler"
     _cache: dict[str, Conditioning] = field(default_factory=dict, init=False, repr=False)
+    _released: bool = field(default=False, init=False, repr=False)
 
     # -- class level: checks that need no weights loaded -------------------------------------------------------
     @classmethod
@@ -120,16 +125,68 @@ class ModelAdapter:
         """The conditioning of ``prompts`` (uncached): name -> tensor with a leading batch axis ``[B, ...]``."""
         raise NotImplementedError
 
+    def text_encoders(self) -> dict[str, nn.Module | None]:
+        """The frozen text encoders by attribute name (``release_text_encoders`` drops them)."""
+        return {}
+
+    def _drop_text_encoders(self) -> None:
+        """Drop the references ``text_encoders`` names (subclasses holding them elsewhere override)."""
+        for name in self.text_encoders():
+            setattr(self, name, None)
+
     def encode(self, prompts: list[str]) -> Conditioning:
         """The transformer's conditioning of ``prompts``, cached per prompt: name -> ``[B, ...]`` on the device
-        (e.g. ``emb`` float32 ``[B, L, D]``, ``mask`` int64 ``[B, L]``, ``pooled`` ``[B, D']``)."""
+        (e.g. ``emb`` float32 ``[B, L, D]``, ``mask`` int64 ``[B, L]``, ``pooled`` ``[B, D']``).
+
+        Raises:
+            KeyError: a prompt outside the cached set after ``release_text_encoders``.
+        """
         missing = sorted({p for p in prompts if p not in self._cache})
+        if missing and self._released:
+            raise KeyError(f"prompt {missing[0]!r} was not encoded before the text encoders were released")
         if missing:
             with torch.no_grad():
                 fresh = self._encode(missing)
             for i, p in enumerate(missing):
                 self._cache[p] = {k: v[i] for k, v in fresh.items()}
         return {k: torch.stack([self._cache[p][k] for p in prompts]) for k in self._cache[prompts[0]]}
+
+    def precompute(self, prompts: list[str], cache: Path | None = None) -> None:
+        """Encode every prompt of a run once, then release the text encoders (DESIGN 5: prompt embeddings are
+        computed once per prompt set).
+
+        With ``cache`` (a ``.safetensors`` file in the run store, named by the prompts and the model), the
+        embeddings are read from it when present, else computed and written there atomically, so a resumed or
+        sharded run never loads the text encoders again.
+        """
+        unique = sorted(set(prompts))
+        if cache is not None and cache.exists():
+            tensors = load_file(cache, device=str(self.device))
+            names = sorted({key.split("/", 1)[1] for key in tensors})
+            for i, prompt in enumerate(unique):
+                self._cache[prompt] = {name: tensors[f"{i}/{name}"] for name in names}
+        else:
+            self.encode(unique)
+            if cache is not None:
+                cache.parent.mkdir(parents=True, exist_ok=True)
+                tmp = cache.with_name(f".{cache.name}.tmp-{os.getpid()}")
+                save_file(
+                    {
+                        f"{i}/{name}": value.detach().cpu().contiguous()
+                        for i, p in enumerate(unique)
+                        for name, value in self._cache[p].items()
+                    },
+                    tmp,
+                )
+                os.replace(tmp, cache)
+        self.release_text_encoders()
+
+    def release_text_encoders(self) -> None:
+        """Free the text encoders: only cached prompts can be encoded from now on."""
+        self._drop_text_encoders()
+        self._released = True
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def decode(self, latents: torch.Tensor) -> np.ndarray:
         """Final latents ``[B, C, h, w]`` -> uint8 images ``[B, H, W, 3]``."""

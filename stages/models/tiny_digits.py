@@ -24,7 +24,7 @@ from diffusers import SanaTransformer2DModel
 from safetensors.torch import load_file
 from torch import nn
 
-from solrl.config import ModelConfig
+from solrl.config import ModelConfig, RunConfig
 from solrl.registry import register_model
 from solrl.stages.models.adapter import Conditioning, ModelAdapter
 
@@ -222,8 +222,20 @@ class TinyDigits(ModelAdapter):
             device=device,
             latent_shape=(1, IMAGE_SIZE, IMAGE_SIZE),
             shift=cfg.sampler_shift,
+            solver=cfg.solver,
             text_encoder=text_encoder,
         )
+
+    @classmethod
+    def validate_config(cls, cfg: RunConfig) -> None:
+        if cfg.model.resolution not in (None, IMAGE_SIZE):
+            raise ValueError(
+                f"model.resolution={cfg.model.resolution}: tiny-digits is {IMAGE_SIZE}x{IMAGE_SIZE} pixels; "
+                f"set model.resolution=null"
+            )
+
+    def text_encoders(self) -> dict[str, nn.Module | None]:
+        return {"text_encoder": self.text_encoder}
 
     @classmethod
     def architecture(cls, cfg: ModelConfig) -> dict[str, Any]:

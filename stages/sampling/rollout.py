@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 
 from solrl.stages.models import ModelAdapter
 from solrl.stages.models.adapter import Conditioning, compute_precision
-from solrl.stages.sampling.samplers import Trajectory, batched, initial_noise, sample_ode, sample_sde, seed_noise
+from solrl.stages.sampling.samplers import Trajectory, batched, initial_noise, sample_ode_with, sample_sde, seed_noise
 
 
 @torch.no_grad()
@@ -56,7 +56,7 @@ def generate(
             parts.append(Trajectory(traj.latents.cpu(), traj.log_probs.cpu(), traj.sde))
         else:
             noise = initial_noise(seeds[chunk], model.latent_shape, model.device)
-            final = sample_ode(velocity, noise, sigmas)
+            final = sample_ode_with(model.solver)(velocity, noise, sigmas)
             parts.append(
                 Trajectory(
                     torch.stack([noise, final], 1).cpu(),
