@@ -83,8 +83,9 @@ class Tracker:
         self._mlflow = mlflow
         root = run_dir.parent.resolve()
         self.uri = tracking_uri(cfg, root)
-        mlflow.set_tracking_uri(self.uri)
-        client = mlflow.MlflowClient()
+        # A client bound to this URI, never mlflow.set_tracking_uri: that sets MLFLOW_TRACKING_URI for the whole
+        # process, and every later run in it (another store) would then log into this store's database.
+        client = mlflow.MlflowClient(tracking_uri=self.uri)
         # One process at a time creates the sqlite schema and the experiment (two runs starting together in
         # a new store otherwise race on MLflow's table creation).
         with _store_lock(root):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -220,3 +221,18 @@ def test_a_run_json_of_the_wrong_shape_is_a_config_error_and_ls_skips_it(tmp_pat
     with pytest.raises(ConfigError, match="not a solrl run file"):
         open_run(tmp_path, "odd")
     assert list_runs(tmp_path) == []
+
+
+def test_two_runs_in_two_stores_in_one_process_log_to_their_own_mlflow_databases(tmp_path: Path):
+    from conftest import tiny_config
+
+    from solrl.storage.runs import create_run
+    from solrl.storage.tracking import Tracker
+
+    first = Tracker(create_run(tiny_config(tmp_path / "a"), "one"))
+    second = Tracker(create_run(tiny_config(tmp_path / "b"), "two"))
+    assert first.uri.endswith(f"{tmp_path / 'a'}/mlflow.db") and second.uri.endswith(f"{tmp_path / 'b'}/mlflow.db")
+    assert "MLFLOW_TRACKING_URI" not in os.environ
+    for tracker in (first, second):
+        experiment = tracker.client.get_experiment_by_name("solrl")
+        assert len(tracker.client.search_runs(experiment.experiment_id)) == 1
