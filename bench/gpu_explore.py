@@ -1,14 +1,19 @@
-"""Explore throughput of a SANA-1600M-sized transformer per precision, for a lent GPU.
+"""Explore throughput of the SANA-1600M, FLUX.1-dev and SD3.5-Large transformers per precision, for a lent GPU.
 
-SanaTransformer2DModel with the 1.6B configuration (diffusers defaults: 20 layers, 70 heads x 32, cross-attention
-2240, caption channels 2304), random init, 1024 px (DC-AE f32: 32 x 32 x 32 latents), 300 text tokens, batch
-24, ``--steps`` Euler steps. For each precision this machine runs (bf16, fp8, nvfp4 via Transformer Engine;
-fp8_emulated / nvfp4_emulated fake-quant for comparison) it reports images per second, the seconds to build
-(merge + quantize) the explore copy, and peak GPU memory. One script, no network, under 10 minutes; writes
-its table to ``$OUT/gpu_explore.md`` when ``OUT`` is set.
+Each family's transformer class at its published configuration with random weights: SANA 1.6B (diffusers'
+defaults; 1024 px, DC-AE f32 latents 32 x 32 x 32, 300 Gemma tokens), FLUX.1-dev (diffusers' defaults with the
+guidance embedding; 512 px, 1024 packed tokens, 512 T5 tokens), SD3.5-Large (38 blocks of 38 x 64; 1024 px,
+128 x 128 x 16 latents, 333 text tokens); batch 24, ``--steps`` Euler steps. Layers are quantized by each
+family's Sol-RL skip rule (its adapter's NVFP4 skip list and ``max(in, out) <= min_dim``). For each
+precision this machine runs (bf16, fp8, nvfp4 via Transformer Engine; fp8_emulated / nvfp4_emulated
+fake-quant for comparison) it reports images per second, the seconds to build (merge + quantize) the explore
+copy, and peak GPU memory. One script, no network; writes its tables to ``$OUT/gpu_explore.md`` when ``OUT``
+is set. On an H200 the emulated rows of FLUX and SD3.5 at batch 24 may take minutes: pick with
+``--families`` and ``--precisions``.
 
-    python bench/gpu_explore.py                 # on a GPU
-    python bench/gpu_explore.py --smoke         # tiny shapes on CPU: checks the script, not the numbers
+    python bench/gpu_explore.py                          # on a GPU: all three families
+    python bench/gpu_explore.py --families sana --batch 8
+    python bench/gpu_explore.py --smoke                  # tiny shapes on CPU: checks the script, not the numbers
 """
 
 from __future__ import annotations
@@ -17,30 +22,39 @@ import argparse
 import os
 import platform
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from diffusers import SanaTransformer2DModel
 
+from solrl.stages.models.flux import Flux
+from solrl.stages.models.sana import Sana
+from solrl.stages.models.sd3 import SD3
 from solrl.stages.quant import quantize_model_
 from solrl.stages.quant.availability import runnable_precisions, unavailable_reason
 
-SANA_SKIP = (
-    "patch_embed",
-    "time_embed",
-    "caption_projection",
-    "proj_out",
-    "norm",
-    "attn1.to_q",
-    "attn1.to_k",
-    "attn1.to_v",
-)  # Sol-RL's SANA list: embedders, final layer, attn qkv; plus max(in, out) <= 2240
-SANA_MIN_DIM = 2240
+
+@dataclass(frozen=True)
+class Case:
+    """One family's transformer at its published size (random weights), its explore skip rule and inputs."""
+
+    family: type  # the solrl model family (its NVFP4 skip list)
+    min_dim: int  # Sol-RL's max(in, out) <= min_dim rule
+    build: Callable[[bool], torch.nn.Module]  # smoke -> transformer
+    inputs: Callable[[bool, int, torch.device, torch.dtype], dict[str, torch.Tensor]]  # smoke, batch -> kwargs
+    timestep_scale: float  # the transformer's timestep for sigma = 1 (1000, or 1 for FLUX)
 
 
-def build(smoke: bool, device: torch.device) -> tuple[SanaTransformer2DModel, dict[str, torch.Tensor]]:
+def _randn(g: torch.Generator, device: torch.device, dtype: torch.dtype, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=g).to(device, dtype)
+
+
+def _sana(smoke: bool) -> torch.nn.Module:
+    from diffusers import SanaTransformer2DModel
+
     if smoke:
-        net = SanaTransformer2DModel(
+        return SanaTransformer2DModel(
             in_channels=4,
             out_channels=4,
             num_attention_heads=2,
@@ -54,34 +68,121 @@ def build(smoke: bool, device: torch.device) -> tuple[SanaTransformer2DModel, di
             patch_size=1,
             interpolation_scale=1.0,
         )
-        batch, latent, tokens, text = 4, (4, 8, 8), 8, 32
-    else:
-        net = SanaTransformer2DModel()  # the 1600M configuration
-        batch, latent, tokens, text = 24, (32, 32, 32), 300, 2304
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    net = net.to(device, dtype).eval().requires_grad_(False)
-    g = torch.Generator(device="cpu").manual_seed(0)
-    inputs = {
-        "hidden_states": torch.randn(batch, *latent, generator=g).to(device, dtype),
-        "encoder_hidden_states": torch.randn(batch, tokens, text, generator=g).to(device, dtype),
+    return SanaTransformer2DModel()  # diffusers' defaults are the 1600M configuration
+
+
+def _sana_inputs(smoke: bool, batch: int, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    latent, tokens, text = ((4, 8, 8), 8, 32) if smoke else ((32, 32, 32), 300, 2304)  # 1024 px, DC-AE f32c32
+    return {
+        "hidden_states": _randn(g, device, dtype, batch, *latent),
+        "encoder_hidden_states": _randn(g, device, dtype, batch, tokens, text),
         "encoder_attention_mask": torch.ones(batch, tokens, device=device),
     }
-    return net, inputs
 
 
-def explore_copy(net: torch.nn.Module, precision: str, smoke: bool) -> torch.nn.Module:
+def _flux(smoke: bool) -> torch.nn.Module:
+    from diffusers import FluxTransformer2DModel
+
+    if smoke:
+        return FluxTransformer2DModel(
+            patch_size=1,
+            in_channels=16,
+            num_layers=1,
+            num_single_layers=1,
+            attention_head_dim=16,
+            num_attention_heads=2,
+            joint_attention_dim=32,
+            pooled_projection_dim=32,
+            axes_dims_rope=[4, 4, 8],
+            guidance_embeds=True,
+        )
+    return FluxTransformer2DModel(guidance_embeds=True)  # diffusers' defaults are FLUX.1; dev has guidance
+
+
+def _flux_inputs(smoke: bool, batch: int, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    # 512 px: 64 x 64 x 16 latents packed 2x2 -> 1024 tokens of 64; T5 512 x 4096; CLIP pooled 768
+    side, channels, tokens, text, pooled = (4, 16, 8, 32, 32) if smoke else (32, 64, 512, 4096, 768)
+    ids = torch.zeros(side, side, 3)
+    ids[..., 1] += torch.arange(side)[:, None]
+    ids[..., 2] += torch.arange(side)[None, :]
+    return {
+        "hidden_states": _randn(g, device, dtype, batch, side * side, channels),
+        "encoder_hidden_states": _randn(g, device, dtype, batch, tokens, text),
+        "pooled_projections": _randn(g, device, dtype, batch, pooled),
+        "img_ids": ids.reshape(-1, 3).to(device, dtype),
+        "txt_ids": torch.zeros(tokens, 3, device=device, dtype=dtype),
+        "guidance": torch.ones(batch, device=device),
+    }
+
+
+def _sd3(smoke: bool) -> torch.nn.Module:
+    from diffusers import SD3Transformer2DModel
+
+    if smoke:
+        return SD3Transformer2DModel(
+            sample_size=16,
+            patch_size=2,
+            in_channels=4,
+            out_channels=4,
+            num_layers=2,
+            attention_head_dim=16,
+            num_attention_heads=2,
+            caption_projection_dim=32,
+            joint_attention_dim=64,
+            pooled_projection_dim=48,
+            pos_embed_max_size=32,
+            qk_norm="rms_norm",
+        )
+    return SD3Transformer2DModel(  # the SD3.5-Large configuration
+        sample_size=128,
+        patch_size=2,
+        in_channels=16,
+        out_channels=16,
+        num_layers=38,
+        attention_head_dim=64,
+        num_attention_heads=38,
+        joint_attention_dim=4096,
+        caption_projection_dim=2432,
+        pooled_projection_dim=2048,
+        pos_embed_max_size=192,
+        qk_norm="rms_norm",
+    )
+
+
+def _sd3_inputs(smoke: bool, batch: int, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    # 1024 px: 128 x 128 x 16 latents; CLIP-L + CLIP-G + T5 256 tokens of 4096; pooled 2048
+    latent, tokens, text, pooled = ((4, 16, 16), 8, 64, 48) if smoke else ((16, 128, 128), 77 + 256, 4096, 2048)
+    return {
+        "hidden_states": _randn(g, device, dtype, batch, *latent),
+        "encoder_hidden_states": _randn(g, device, dtype, batch, tokens, text),
+        "pooled_projections": _randn(g, device, dtype, batch, pooled),
+    }
+
+
+CASES = {
+    "sana": Case(Sana, 2240, _sana, _sana_inputs, 1000.0),
+    "flux": Case(Flux, 1000, _flux, _flux_inputs, 1.0),
+    "sd3": Case(SD3, 2432, _sd3, _sd3_inputs, 1000.0),
+}
+
+
+def explore_copy(net: torch.nn.Module, precision: str, case: Case, smoke: bool) -> torch.nn.Module:
     import copy
 
     if precision == "bf16":
         return net
-    min_dim = 0 if smoke else SANA_MIN_DIM
+    min_dim = 0 if smoke else case.min_dim
     clone = copy.deepcopy(net)
+    skip = case.family.nvfp4_skip
     if precision.endswith("_emulated"):
-        quantize_model_(clone, fmt=precision.removesuffix("_emulated"), skip=SANA_SKIP, min_dim=min_dim)
+        quantize_model_(clone, fmt=precision.removesuffix("_emulated"), skip=skip, min_dim=min_dim)
         return clone
     from solrl.stages.quant.hardware import te_explore_copy
 
-    return te_explore_copy(clone, precision, SANA_SKIP, min_dim)
+    return te_explore_copy(clone, precision, skip, min_dim)
 
 
 def sync(device: torch.device) -> None:
@@ -90,32 +191,34 @@ def sync(device: torch.device) -> None:
 
 
 @torch.no_grad()
-def measure(net: torch.nn.Module, inputs: dict[str, torch.Tensor], steps: int, device: torch.device) -> float:
-    """Seconds for one batch of ``steps`` Euler steps (after one warm-up step)."""
+def measure(
+    net: torch.nn.Module, inputs: dict[str, torch.Tensor], steps: int, scale: float, device: torch.device
+) -> float:
+    """Seconds for one batch of ``steps`` Euler steps (after one warm-up step); timestep = sigma x ``scale``."""
     x = inputs["hidden_states"].clone()
     batch = x.shape[0]
-    net(**inputs, timestep=torch.full((batch,), 999.0, device=device))  # warm-up (TE/cuBLAS autotuning)
+    net(**inputs, timestep=torch.full((batch,), 0.999 * scale, device=device))  # warm-up (TE/cuBLAS autotuning)
     sync(device)
     start = time.perf_counter()
     for i in range(steps):
         sigma = 1.0 - i / steps
-        v = net(**{**inputs, "hidden_states": x}, timestep=torch.full((batch,), sigma * 1000, device=device))[0]
+        v = net(
+            **{**inputs, "hidden_states": x},
+            timestep=torch.full((batch,), sigma * scale, device=device),
+            return_dict=False,
+        )[0]
         x = x - (1.0 / steps) * v.to(x.dtype)
     sync(device)
     return time.perf_counter() - start
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes, CPU is fine")
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--precisions", nargs="+", default=["bf16", "fp8", "nvfp4", "fp8_emulated", "nvfp4_emulated"])
-    args = parser.parse_args()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cpu" and not args.smoke:
-        raise SystemExit("no CUDA device: run with --smoke for a CPU check of the script")
-    net, inputs = build(args.smoke, device)
-    batch = inputs["hidden_states"].shape[0]
+def run_case(name: str, args: argparse.Namespace, device: torch.device) -> str:
+    """The table of one family: a row per precision."""
+    case = CASES[name]
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    net = case.build(args.smoke).to(device, dtype).eval().requires_grad_(False)
+    batch = 4 if args.smoke else args.batch
+    inputs = case.inputs(args.smoke, batch, device, dtype)
     params = sum(p.numel() for p in net.parameters())
     rows = []
     for precision in args.precisions:
@@ -126,28 +229,57 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-        start = time.perf_counter()
-        copy_net = explore_copy(net, precision, args.smoke)
-        sync(device)
-        copy_seconds = time.perf_counter() - start
-        seconds = measure(copy_net, inputs, args.steps, device)
+        try:
+            start = time.perf_counter()
+            copy_net = explore_copy(net, precision, case, args.smoke)
+            sync(device)
+            copy_seconds = time.perf_counter() - start
+            seconds = measure(copy_net, inputs, args.steps, case.timestep_scale, device)
+        except Exception as exc:  # one failing backend must not hide the others' rows
+            rows.append(f"| {precision} | - | - | - | - | failed: {exc.__class__.__name__}: {str(exc)[:160]} |")
+            continue
         peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
         rows.append(f"| {precision} | {batch / seconds:.2f} | {seconds:.2f} | {copy_seconds:.2f} | {peak:.1f} | |")
         del copy_net
-    name = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or platform.machine()
-    table = "\n".join(
-        [
-            f"SanaTransformer2DModel {'smoke' if args.smoke else '1600M'} ({params / 1e6:.0f}M params), batch {batch}, "
-            f"{args.steps} steps; {name}; torch {torch.__version__}; runnable: {', '.join(runnable_precisions())}",
-            "",
-            "| precision | images/s | s per batch | copy build s (merge + quantize) | peak GiB | note |",
-            "| --- | --- | --- | --- | --- | --- |",
-            *rows,
-        ]
+    del net
+    title = type(case.build).__name__
+    return (
+        "\n".join(
+            [
+                f"{name} ({'smoke' if args.smoke else 'published size'}, {params / 1e6:.0f}M params), batch {batch}, "
+                f"{args.steps} steps",
+                "",
+                "| precision | images/s | s per batch | copy build s (merge + quantize) | peak GiB | note |",
+                "| --- | --- | --- | --- | --- | --- |",
+                *rows,
+            ]
+        )
+        if title
+        else ""
     )
-    print(table)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, CPU is fine")
+    parser.add_argument("--families", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--batch", type=int, default=24, help="images per batch (Sol-RL's rollout batch: 24)")
+    parser.add_argument("--precisions", nargs="+", default=["bf16", "fp8", "nvfp4", "fp8_emulated", "nvfp4_emulated"])
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and not args.smoke:
+        raise SystemExit("no CUDA device: run with --smoke for a CPU check of the script")
+    name = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or platform.machine()
+    header = f"{name}; torch {torch.__version__}; runnable: {', '.join(runnable_precisions())}"
+    tables = [header]
+    for family in args.families:
+        tables.append(run_case(family, args, device))
+        print(tables[-1] + "\n", flush=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "gpu_explore.md").write_text(table + "\n")
+        Path(os.environ["OUT"], "gpu_explore.md").write_text("\n\n".join(tables) + "\n")
 
 
 if __name__ == "__main__":

@@ -168,11 +168,11 @@ def report(
     frame = collect_metrics(run_.run_dir, tuple(s.name for s in ITERATION))
     if frame.empty:
         _fail(f"run {run_id} has no committed stage yet")
+    evaluations = sorted(c for c in frame if c.startswith("eval/") and c != "eval/diversity")  # every reward
     columns = [
         c
         for c in (
-            "eval/digit_alignment",
-            "eval/digit_evaluator",
+            *evaluations,
             "eval/diversity",
             "explore/reward_mean",
             "regenerate/reward_mean",

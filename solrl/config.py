@@ -140,6 +140,9 @@ class TrainConfig(_Section):
     eps: float = Field(1e-8, gt=0)
     grad_clip: float = Field(1.0, gt=0, description="Max global grad norm.")
     optimizer_steps: int = Field(4, ge=1, description="Optimizer steps per iteration.")
+    micro_batch: int = Field(
+        64, ge=1, description="Samples per forward/backward pass of the update (gradients accumulate over them)."
+    )
     timestep_fraction: float = Field(
         0.6, gt=0, le=1, description="Fraction of the sampling timesteps trained per step."
     )
@@ -205,6 +208,7 @@ class CampaignConfig(_Section):
     eval_every: int = Field(
         1, ge=1, description="Evaluate the rollout policy every N iterations (and before the first)."
     )
+    eval_steps: int | None = Field(None, ge=1, description="Sampling steps of the evaluation; null = regenerate.steps.")
     seed: int = Field(42, ge=0, description="Run seed; every candidate seed derives from it.")
     stage_retries: int = Field(1, ge=0, description="Prefect retries of a failed stage task.")
 

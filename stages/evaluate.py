@@ -26,8 +26,8 @@ GRID = "samples.png"
 
 def evaluate(ctx: StageContext, out: Path, trained: TrainedPolicy | None) -> StageOutput:
     """Sample every evaluation prompt with ``campaign.eval_seeds`` fixed seeds (the same every iteration) at
-    ``regenerate.steps`` with the rollout policy of this iteration's checkpoint ``trained`` (iteration 0: the
-    base model).
+    ``campaign.eval_steps`` (default ``regenerate.steps``) with the rollout policy of this iteration's
+    checkpoint ``trained`` (iteration 0: the base model).
 
     Writes ``EvalSamples`` (images ``[P, S, H, W, 3]``, seeds), ``EvalMetrics`` (per prompt and reward) and
     ``samples.png``.
@@ -46,7 +46,7 @@ def evaluate(ctx: StageContext, out: Path, trained: TrainedPolicy | None) -> Sta
             net,
             flat,
             seeds.reshape(-1).tolist(),
-            ctx.cfg.regenerate.steps,
+            ctx.cfg.campaign.eval_steps or ctx.cfg.regenerate.steps,
             ctx.cfg.regenerate.batch_size,
             desc="evaluate",
         ).samples  # deterministic ODE

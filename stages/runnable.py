@@ -12,13 +12,14 @@ from solrl.stages.quant.availability import runnable_precisions
 def check_runnable(cfg: RunConfig, prompts_sha256: str | None = None) -> None:
     """Check, before any work, that this machine can run ``cfg``.
 
-    Checks: ``model.device``; the explore backend on this hardware; the model family's weights files; the prompt
+    Checks: the model family's weights files; ``model.device``; the explore backend on this hardware; the prompt
     files readable and scorable by every configured reward; with ``prompts_sha256`` (a run's recorded digest),
     that the prompt files still hold the prompts the run's committed stages used.
 
     Raises:
         ConfigError: one line naming what is missing and the fix.
     """
+    model_family(cfg.model).check_runnable(cfg.model)
     resolve_device(cfg.model.device)
     reason = EXPLORE_BACKENDS.get(cfg.explore.precision).unavailable_reason()
     if reason is not None:
@@ -26,7 +27,6 @@ def check_runnable(cfg: RunConfig, prompts_sha256: str | None = None) -> None:
             f"explore.precision={cfg.explore.precision} cannot run here: {reason}; this machine runs: "
             f"{', '.join(runnable_precisions())}"
         )
-    model_family(cfg.model).check_runnable(cfg.model)
     train, evaluation = cfg.train_prompts(), cfg.eval_prompts()
     try:
         for name in cfg.reward.weights:

@@ -25,9 +25,6 @@ from solrl.storage.artifacts import (
 from solrl.storage.checkpoints import optimizer_from_tensors, optimizer_to_tensors
 from solrl.storage.stage import StageOutput
 
-#: Samples per forward/backward pass of the update (gradient accumulation over micro-batches and timesteps).
-MICRO_BATCH = 64
-
 
 def advantages(
     ctx: StageContext, prompts: list[str], rewards: np.ndarray, stats: RewardStats | None, out: Path
@@ -120,7 +117,7 @@ def update(
         chosen = torch.randperm(len(trainable), generator=g)[:n_t].tolist()
         acc: dict[str, float] = {}
         for t_index in (trainable[i] for i in chosen):
-            for mb in batched(B, MICRO_BATCH):
+            for mb in batched(B, tc.micro_batch):
                 loss, terms, deviation = loss_fn.terms(policy, batch, t_index, mb, g, ctx.cfg)
                 if not rows:  # before any update in this iteration
                     on_policy_dev = max(on_policy_dev or 0.0, deviation)

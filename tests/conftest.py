@@ -13,6 +13,8 @@ os.environ["DO_NOT_TRACK"] = "1"
 os.environ["PREFECT_LOGGING_LEVEL"] = "WARNING"
 os.environ.pop("MLFLOW_TRACKING_URI", None)
 os.environ.pop("PREFECT_API_URL", None)
+# The tiny families build their random models on first use here, not in the user's ~/.cache/solrl.
+os.environ["SOLRL_CACHE"] = tempfile.mkdtemp(prefix="solrl-cache-")
 
 from pathlib import Path  # noqa: E402
 

@@ -1,0 +1,187 @@
+"""The common part of the families loaded as a diffusers pipeline folder (SANA, FLUX.1, SD3.5).
+
+The pipeline object is kept for what diffusers already does exactly: ``encode_prompt`` (each family's prompt
+handling: tokenizers, complex human instruction, CLIP pooling, T5) and the VAE. Sampling, the policy's LoRA
+and the low-precision explore copy are solrl's; the transformer is the pipeline's, so the exported LoRA
+loads back into the same pipeline class.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from torch import nn
+
+from solrl.config import ConfigError, ModelConfig
+from solrl.stages.models.adapter import ModelAdapter
+
+#: ``org/name``: a Hugging Face hub id rather than a local folder.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+#: Images decoded per VAE call (bounds the decoder's activation memory at 1024 px).
+DECODE_BATCH = 8
+
+
+def weights_dtype(device: torch.device) -> torch.dtype:
+    """bfloat16 weights on CUDA (BF16 train, DESIGN 1), float32 on CPU."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def solrl_cache() -> Path:
+    """Where solrl keeps what it builds once per machine (the tiny families): ``$SOLRL_CACHE`` or
+    ``~/.cache/solrl``."""
+    return Path(os.environ.get("SOLRL_CACHE", "~/.cache/solrl")).expanduser()
+
+
+@dataclass
+class DiffusersFamily(ModelAdapter):
+    """A family whose weights are a diffusers pipeline folder (``model_index.json`` and component folders)."""
+
+    #: Published weights (a hub id), named in the missing-weights error.
+    hub_id: ClassVar[str] = ""
+    default_resolution: ClassVar[int]
+    default_max_sequence_length: ClassVar[int]
+    #: Pipeline attributes holding the text encoders (released after the prompts are encoded).
+    text_encoder_names: ClassVar[tuple[str, ...]] = ("text_encoder",)
+
+    pipe: Any = None
+    resolution: int = 0
+    max_sequence_length: int = 0
+    guidance: float = 1.0
+
+    # -- class level ---------------------------------------------------------------------------------------------
+    @classmethod
+    def weights_dir(cls, cfg: ModelConfig) -> Path:
+        """``model.path`` as a local folder; a hub id resolves to the local hub cache (never downloaded here
+        while ``HF_HUB_OFFLINE=1``)."""
+        if cfg.path is None:
+            raise ConfigError(
+                f"model.family={cls.name} needs model.path: a diffusers-format folder or hub id; "
+                f"weights: {cls.weights_hint}"
+            )
+        local = Path(cfg.path).expanduser()
+        if local.exists() or not _HUB_ID.match(cfg.path):
+            return local
+        from huggingface_hub import snapshot_download
+
+        try:
+            return Path(snapshot_download(cfg.path, local_files_only=True))
+        except Exception:  # not in the local cache: the missing-file check names the path
+            return local
+
+    @classmethod
+    def required_files(cls, cfg: ModelConfig) -> tuple[str, ...]:
+        return ("model_index.json", "transformer/config.json", "vae/config.json")
+
+    @classmethod
+    def load(cls, cfg: ModelConfig, device: torch.device) -> DiffusersFamily:
+        import diffusers
+
+        root = cls.weights_dir(cfg)
+        pipe = getattr(diffusers, cls.pipeline_class).from_pretrained(root, dtype=weights_dtype(device))
+        pipe.set_progress_bar_config(disable=True)
+        pipe.to(device)
+        pipe.transformer.eval().requires_grad_(False)
+        resolution = cfg.resolution or cls.default_resolution
+        factor = cls.latent_factor(pipe)
+        if resolution % factor:
+            raise ConfigError(
+                f"model.resolution={resolution} must be a multiple of {factor} for {cls.name} "
+                f"(VAE downsampling x patch size)"
+            )
+        return cls(
+            transformer=pipe.transformer,
+            device=device,
+            latent_shape=cls.latent_shape_of(pipe, resolution),
+            shift=cfg.sampler_shift,
+            solver=cfg.solver,
+            pipe=pipe,
+            resolution=resolution,
+            max_sequence_length=cfg.max_sequence_length or cls.default_max_sequence_length,
+            guidance=cfg.guidance,
+        )
+
+    @classmethod
+    def vae_scale_factor(cls, pipe: Any) -> int:
+        return int(pipe.vae_scale_factor)
+
+    @classmethod
+    def latent_factor(cls, pipe: Any) -> int:
+        """Pixels per latent token along a side: the VAE's downsampling times the transformer's patch size."""
+        return cls.vae_scale_factor(pipe) * int(pipe.transformer.config.patch_size)
+
+    @classmethod
+    def latent_shape_of(cls, pipe: Any, resolution: int) -> tuple[int, int, int]:
+        side = resolution // cls.vae_scale_factor(pipe)
+        return int(pipe.transformer.config.in_channels), side, side
+
+    @classmethod
+    def build_tiny(cls, out: Path) -> None:
+        """Write a tiny random-weight pipeline of this family's real classes to ``out`` (tiny families)."""
+        raise NotImplementedError
+
+    # -- instance level --------------------------------------------------------------------------------------------
+    def text_encoders(self) -> dict[str, nn.Module | None]:
+        return {name: getattr(self.pipe, name) for name in self.text_encoder_names}
+
+    def _drop_text_encoders(self) -> None:
+        for name in self.text_encoder_names:
+            setattr(self.pipe, name, None)
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> np.ndarray:
+        """``vae.decode(latents / scaling_factor + shift_factor)`` (the pipelines' formula), in [-1, 1], to uint8
+        ``[B, H, W, 3]``; batches of ``DECODE_BATCH``."""
+        vae = self.pipe.vae
+        scaling, shift = vae.config.scaling_factor, getattr(vae.config, "shift_factor", None) or 0.0
+        images = []
+        for chunk in latents.split(DECODE_BATCH):
+            z = chunk.to(self.device, vae.dtype) / scaling + shift
+            image = vae.decode(z, return_dict=False)[0].float().clamp(-1, 1)  # [b, 3, H, W]
+            images.append(((image + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).cpu())
+        return torch.cat(images).numpy()
+
+
+def build_once(family: type[DiffusersFamily], out: Path) -> Path:
+    """Build ``family``'s tiny pipeline into ``out`` unless it is there; atomic (a sibling folder renamed into
+    place), so concurrent first runs and a killed build never leave a half-written model."""
+    if (out / "model_index.json").exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        family.build_tiny(tmp)
+        try:
+            os.replace(tmp, out)
+        except OSError:  # another process built it first
+            if not (out / "model_index.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+class TinyFamily:
+    """Mixin of the tiny families: weights built on first use in the solrl cache (or at ``model.path``)."""
+
+    weights_hint: ClassVar[str] = "built on first use (random weights) in $SOLRL_CACHE or ~/.cache/solrl"
+
+    @classmethod
+    def weights_dir(cls, cfg: ModelConfig) -> Path:
+        return Path(cfg.path).expanduser() if cfg.path else solrl_cache() / "models" / cls.name  # type: ignore[attr-defined]
+
+    @classmethod
+    def check_runnable(cls, cfg: ModelConfig) -> None:
+        """Nothing to check: a missing tiny model is built by ``load``."""
+
+    @classmethod
+    def load(cls, cfg: ModelConfig, device: torch.device) -> DiffusersFamily:
+        build_once(cls, cls.weights_dir(cfg))  # type: ignore[arg-type]
+        return super().load(cfg, device)  # type: ignore[misc]

@@ -1,0 +1,149 @@
+"""SD3.5 (``SD3Transformer2DModel``, two CLIP + T5, ``AutoencoderKL``) and its tiny CPU twin.
+
+Sol-RL's SD3.5-Large settings (``../shared/PAPER.md``): 1024 px, ``dpm2``, LoRA on the attention including the
+context projections (``add_*``), NVFP4 skipping the position and context embedders, the time-text embedding,
+``norm_out``, ``norm1``, ``ff_context`` and Linear layers with ``max(in, out) <= 2432``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from solrl.registry import register_model
+from solrl.stages.models.adapter import Conditioning
+from solrl.stages.models.diffusers_family import DiffusersFamily, TinyFamily
+
+
+@register_model("sd3")
+@dataclass
+class SD3(DiffusersFamily):
+    """SD3 / SD3.5 from a diffusers-format folder (e.g. ``stabilityai/stable-diffusion-3.5-large``)."""
+
+    name: ClassVar[str] = "sd3"
+    hub_id: ClassVar[str] = "stabilityai/stable-diffusion-3.5-large"
+    weights_hint: ClassVar[str] = (
+        "https://huggingface.co/stabilityai/stable-diffusion-3.5-large (gated: accept the licence)"
+    )
+    pipeline_class: ClassVar[str] = "StableDiffusion3Pipeline"
+    lora_targets: ClassVar[tuple[str, ...]] = (
+        "to_q",
+        "to_k",
+        "to_v",
+        "to_out.0",
+        "add_q_proj",
+        "add_k_proj",
+        "add_v_proj",
+        "to_add_out",
+    )
+    nvfp4_skip: ClassVar[tuple[str, ...]] = (
+        "pos_embed",
+        "context_embedder",
+        "time_text_embed",
+        "norm_out",
+        "norm1",
+        "ff_context",
+    )
+    default_resolution: ClassVar[int] = 1024
+    default_max_sequence_length: ClassVar[int] = 256
+    text_encoder_names: ClassVar[tuple[str, ...]] = ("text_encoder", "text_encoder_2", "text_encoder_3")
+
+    def _encode(self, prompts: list[str]) -> Conditioning:
+        """``emb`` ``[B, 77 + L, D]`` (the two CLIPs' penultimate states, padded to the T5 width, then T5) and
+        ``pooled`` ``[B, D1 + D2]`` (the CLIP projections), by ``StableDiffusion3Pipeline.encode_prompt``."""
+        emb, _, pooled, _ = self.pipe.encode_prompt(
+            prompt=prompts,
+            prompt_2=None,
+            prompt_3=None,
+            device=self.device,
+            do_classifier_free_guidance=False,
+            max_sequence_length=self.max_sequence_length,
+        )
+        return {"emb": emb, "pooled": pooled}
+
+    def velocity(self, net: nn.Module, x: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        """``net``'s velocity at latents ``x [B, C, h, w]``, ``sigma [B]`` (timestep = 1000 sigma)."""
+        dtype = self.transformer.dtype
+        return net(
+            hidden_states=x.to(dtype),
+            timestep=(sigma * 1000.0).to(dtype),
+            encoder_hidden_states=cond["emb"],
+            pooled_projections=cond["pooled"],
+            return_dict=False,
+        )[0]
+
+
+@register_model("tiny-sd3")
+@dataclass
+class TinySD3(TinyFamily, SD3):
+    """A tiny random SD3.5 of the real classes (2 blocks, one dual-attention, 32 px): the plumbing on CPU, not
+    learning."""
+
+    name: ClassVar[str] = "tiny-sd3"
+    default_resolution: ClassVar[int] = 32
+    default_max_sequence_length: ClassVar[int] = 16
+
+    @classmethod
+    def build_tiny(cls, out: Path) -> None:
+        from diffusers import (
+            AutoencoderKL,
+            FlowMatchEulerDiscreteScheduler,
+            SD3Transformer2DModel,
+            StableDiffusion3Pipeline,
+        )
+
+        from solrl.stages.models.tiny_text import clip_text_model, clip_tokenizer, t5_encoder, t5_tokenizer
+
+        tokenizer, tokenizer_2, tokenizer_3 = clip_tokenizer(), clip_tokenizer(pad_token="!"), t5_tokenizer()
+        text_encoder = clip_text_model(tokenizer, hidden=16, projection=16, seed=0)  # "CLIP-L"
+        text_encoder_2 = clip_text_model(tokenizer_2, hidden=32, projection=32, seed=1, act="gelu")  # "CLIP-G"
+        text_encoder_3 = t5_encoder(tokenizer_3, d_model=64)  # >= 16 + 32: SD3 pads the CLIP states to it
+        torch.manual_seed(0)
+        vae = AutoencoderKL(
+            in_channels=3,
+            out_channels=3,
+            down_block_types=("DownEncoderBlock2D",) * 2,
+            up_block_types=("UpDecoderBlock2D",) * 2,
+            block_out_channels=(8, 8),
+            layers_per_block=1,
+            latent_channels=4,
+            norm_num_groups=4,
+            sample_size=32,
+            use_quant_conv=False,
+            use_post_quant_conv=False,
+            scaling_factor=1.5305,
+            shift_factor=0.0609,
+        )
+        torch.manual_seed(0)
+        transformer = SD3Transformer2DModel(
+            sample_size=16,
+            patch_size=2,
+            in_channels=4,
+            out_channels=4,
+            num_layers=2,
+            attention_head_dim=16,
+            num_attention_heads=2,
+            caption_projection_dim=32,
+            joint_attention_dim=64,
+            pooled_projection_dim=48,
+            pos_embed_max_size=32,
+            qk_norm="rms_norm",
+            dual_attention_layers=(0,),
+        )  # joint = T5 width; pooled = the two CLIP projections
+        StableDiffusion3Pipeline(
+            transformer=transformer,
+            scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+            vae=vae,
+            text_encoder=text_encoder,
+            tokenizer=tokenizer,
+            text_encoder_2=text_encoder_2,
+            tokenizer_2=tokenizer_2,
+            text_encoder_3=text_encoder_3,
+            tokenizer_3=tokenizer_3,
+            image_encoder=None,
+            feature_extractor=None,
+        ).save_pretrained(out)

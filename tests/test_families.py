@@ -1,0 +1,159 @@
+"""SANA, FLUX.1 and SD3.5 as tiny random models of the real diffusers classes: built in code, saved with
+``save_pretrained``, loaded through their adapters, run through the same Prefect flow as tiny-digits with
+NVFP4-emulated explore, and their exported LoRA loaded by the stock diffusers pipeline."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import diffusers
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from solrl.cli import app
+from solrl.config import load_config
+from solrl.stages.models import load_model, model_family
+from solrl.stages.models.lora import LORA_WEIGHTS, save_diffusers_lora
+from solrl.stages.models.policy import Policy
+from solrl.stages.sampling.rollout import generate
+from solrl.stages.sampling.samplers import initial_noise
+
+FAMILIES = ["tiny-sana", "tiny-flux", "tiny-sd3"]
+
+
+def _config(family: str, root: Path, *extra: str):
+    return load_config(family, [f"storage.root={root}", *extra])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_tiny_family_is_built_saved_and_loaded_through_its_adapter(tmp_path: Path, family: str):
+    cfg = _config(family, tmp_path / "runs", f"model.path={tmp_path / family}")
+    model = load_model(cfg.model, torch.device("cpu"))  # builds into model.path, then loads from it
+    assert (tmp_path / family / "model_index.json").exists() and (tmp_path / family / "transformer").is_dir()
+    assert type(model.pipe).__name__ == model_family(cfg.model).pipeline_class
+    prompts = ["a photo of a cat", "a photo of two dogs", "a photo of a cat"]
+    cond = model.encode(prompts)
+    assert all(v.shape[0] == 3 for v in cond.values())
+    torch.testing.assert_close(model.encode(prompts[1:2])[next(iter(cond))][0], cond[next(iter(cond))][1])
+    x = torch.randn(3, *model.latent_shape)
+    sigma = torch.tensor([0.9, 0.5, 0.1])
+    with torch.no_grad():
+        v = model.velocity(model.transformer, x, sigma, cond)
+        v_alone = model.velocity(model.transformer, x[1:2], sigma[1:2], model.encode(prompts[1:2]))
+    assert v.shape == x.shape and torch.isfinite(v).all()
+    torch.testing.assert_close(v[1:2], v_alone, rtol=1e-4, atol=1e-5)  # no leakage across the batch
+    images = model.decode(x)
+    assert images.shape == (3, 32, 32, 3) and images.dtype.name == "uint8"
+    sigmas = model.sigmas(4)
+    assert sigmas.shape == (5,) and sigmas[0] == 1 and sigmas[-1] == 0 and (sigmas.diff() < 0).all()
+
+
+def _trained_policy(cfg) -> Policy:
+    policy = Policy(load_model(cfg.model, torch.device("cpu")), rank=4, alpha=8.0, seed=0)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # as if trained: LoRA B away from its zero init
+        for key, p in policy.adapter_params("policy").items():
+            if "lora_B" in key:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return policy
+
+
+def _stock_pipeline_latents(pipe, family: str, prompt: str, noise: torch.Tensor, steps: int) -> torch.Tensor:
+    """The stock pipeline's final latents from ``noise`` ``[1, C, h, w]``, without classifier-free guidance."""
+    kwargs = dict(
+        prompt=prompt,
+        height=32,
+        width=32,
+        num_inference_steps=steps,
+        guidance_scale=1.0,
+        max_sequence_length=16,
+        output_type="latent",
+    )
+    if family == "tiny-flux":
+        _, C, h, w = noise.shape
+        packed = type(pipe)._pack_latents(noise, 1, C, h, w)
+        out = pipe(latents=packed, **kwargs).images
+        return type(pipe)._unpack_latents(
+            out, h * pipe.vae_scale_factor, w * pipe.vae_scale_factor, pipe.vae_scale_factor
+        )
+    if family == "tiny-sana":
+        kwargs["use_resolution_binning"] = False
+    return pipe(latents=noise, **kwargs).images
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_exported_lora_loads_into_the_stock_pipeline_and_samples_as_the_policy(tmp_path: Path, family, caplog):
+    cfg = _config(family, tmp_path / "runs", "model.solver=euler")
+    policy = _trained_policy(cfg)
+    family_cls = model_family(cfg.model)
+    save_diffusers_lora(policy, "policy", family_cls.pipeline_class, tmp_path / "lora")
+
+    pipe = getattr(diffusers, family_cls.pipeline_class).from_pretrained(family_cls.weights_dir(cfg.model))
+    pipe.set_progress_bar_config(disable=True)
+    with caplog.at_level(logging.WARNING, logger="diffusers"):
+        pipe.load_lora_weights(str(tmp_path / "lora"))
+    problems = [
+        r.getMessage()
+        for r in caplog.records
+        if "led to unexpected keys" in r.getMessage() or "led to missing keys" in r.getMessage()
+    ]
+    assert not problems
+
+    prompt, steps, seed = "a photo of a red apple", 4, 7
+    noise = initial_noise([seed], policy.model.latent_shape)
+    with torch.no_grad(), policy.using("policy") as net:
+        ours = generate(policy.model, net, [prompt], [seed], steps, 1).samples
+    theirs = _stock_pipeline_latents(pipe, family, prompt, noise, steps)
+    torch.testing.assert_close(theirs.float(), ours, rtol=1e-3, atol=1e-4)
+    with torch.no_grad(), policy.using("reference") as net:
+        base = generate(policy.model, net, [prompt], [seed], steps, 1).samples
+    assert (ours - base).abs().max() > 1e-3  # the LoRA changes the samples, in both
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_two_iteration_campaign_through_the_prefect_flow_with_nvfp4_explore(tmp_path: Path, family: str):
+    from solrl.flows.sol_rl import campaign
+    from solrl.stages.pipeline import campaign_plan
+    from solrl.storage.artifacts import CandidatePool, Checkpoint
+    from solrl.storage.runs import create_run
+    from solrl.storage.stage import read_manifest, stage_dir
+
+    cfg = _config(family, tmp_path / "store")
+    assert cfg.explore.precision == "nvfp4_emulated" and cfg.campaign.iterations == 2
+    run = create_run(cfg, f"{family}-flow")
+    campaign(str(run.run_dir.parent), run.run_id)
+    for iteration, stages in campaign_plan(cfg):
+        for stage in stages:
+            assert read_manifest(run.run_dir, iteration, stage) is not None, (iteration, stage)
+    pool = CandidatePool.load(run.run_dir, 2)
+    assert pool.images.shape == (2, 8, 32, 32, 3) and pool.attrs["precision"] == "nvfp4_emulated"
+    checkpoint = Checkpoint.load(run.run_dir, 2)
+    assert checkpoint.state["model_family"] == family and checkpoint.state["global_step"] == 2
+    assert checkpoint.state["architecture"]["transformer"]["_class_name"] in (
+        "SanaTransformer2DModel",
+        "FluxTransformer2DModel",
+        "SD3Transformer2DModel",
+    )
+    assert (stage_dir(run.run_dir, 2, "checkpoint") / "lora" / LORA_WEIGHTS).exists()
+    audit = read_manifest(run.run_dir, 2, "audit").metrics  # the full-pool BF16 audit ran at iteration 2
+    assert -1 <= audit["audit/spearman"] <= 1 and audit["audit/random_rank"] == 4.5
+
+
+@pytest.mark.parametrize(
+    ("preset", "where"),
+    [
+        ("sana-1600m", "huggingface.co/Efficient-Large-Model/Sana_1600M_1024px_diffusers"),
+        ("flux1-dev", "huggingface.co/black-forest-labs/FLUX.1-dev"),
+        ("sd35-large", "huggingface.co/stabilityai/stable-diffusion-3.5-large"),
+    ],
+)
+def test_a_real_preset_without_its_weights_exits_2_naming_the_path_and_where_they_are_published(
+    tmp_path: Path, preset: str, where: str
+):
+    result = CliRunner().invoke(app, ["run", preset, "--set", f"storage.root={tmp_path / 'store'}"])
+    assert result.exit_code == 2, result.output
+    assert "model_index.json is missing" in result.stderr and where in result.stderr
+    assert not (tmp_path / "store").exists()
