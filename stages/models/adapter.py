@@ -19,7 +19,6 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -194,6 +193,8 @@ class ModelAdapter:
 
     def sigmas(self, steps: int) -> torch.Tensor:
         """The sampling sigma grid ``float32 [steps + 1]``, 1 -> 0, from FlowMatchEulerDiscreteScheduler(shift)."""
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
         scheduler = FlowMatchEulerDiscreteScheduler(shift=self.shift)
         scheduler.set_timesteps(steps, device="cpu")
         return scheduler.sigmas.float().to(self.device)

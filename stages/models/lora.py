@@ -16,9 +16,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import diffusers
-from peft import get_peft_model_state_dict
-
 from solrl.stages.models.policy import Policy
 
 #: The file name diffusers' ``save_lora_weights`` writes and ``load_lora_weights`` looks for.
@@ -39,6 +36,9 @@ def save_diffusers_lora(policy: Policy, adapter: str, pipeline_class: str, out: 
     Raises:
         KeyError: unknown adapter.
     """
+    import diffusers
+    from peft import get_peft_model_state_dict
+
     if adapter not in policy.transformer.peft_config:
         raise KeyError(f"no adapter {adapter!r}; the policy has {sorted(policy.transformer.peft_config)}")
     state = get_peft_model_state_dict(policy.transformer, adapter_name=adapter)

@@ -19,8 +19,6 @@ from contextlib import contextmanager
 from typing import Literal
 
 import torch
-from peft import LoraConfig
-from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
 from solrl.stages.models.adapter import Conditioning, ModelAdapter
@@ -41,6 +39,8 @@ class Policy:
     """
 
     def __init__(self, model: ModelAdapter, rank: int, alpha: float, seed: int = 0) -> None:
+        from peft import LoraConfig  # imported here: peft costs about a second, and `solrl ls` never needs it
+
         self.model = model
         self.transformer = model.transformer
         with torch.random.fork_rng(devices=[]):
@@ -63,6 +63,7 @@ class Policy:
     # -- adapter bookkeeping ---------------------------------------------------
     def adapter_params(self, name: str) -> dict[str, nn.Parameter]:
         """Parameters of adapter ``name``, keyed with the adapter name replaced by ``{adapter}``."""
+
         tag = f".{name}."
         return {
             n.replace(tag, f".{_SLOT}."): p
@@ -129,6 +130,8 @@ class Policy:
     @torch.no_grad()
     def merged_weights(self, which: Which = "rollout") -> dict[str, torch.Tensor]:
         """``base + delta(which)`` for every LoRA-wrapped layer, keyed by module name (peft ``get_delta_weight``)."""
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
         out = {}
         for name, module in self.transformer.named_modules():
             if isinstance(module, BaseTunerLayer):
@@ -150,6 +153,8 @@ class Policy:
 
         The copy the low-precision explore backend quantizes (DESIGN 2). Costs one model copy.
         """
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
         net = copy.deepcopy(self.transformer)
         for module_name, module in list(net.named_modules()):
             if not isinstance(module, BaseTunerLayer):

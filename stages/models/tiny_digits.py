@@ -15,18 +15,20 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from diffusers import SanaTransformer2DModel
 from safetensors.torch import load_file
 from torch import nn
 
 from solrl.config import ModelConfig, RunConfig
 from solrl.registry import register_model
 from solrl.stages.models.adapter import Conditioning, ModelAdapter
+
+if TYPE_CHECKING:
+    from diffusers import SanaTransformer2DModel
 
 DIGIT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 #: Words the tiny text encoder knows; anything else maps to <unk>.
@@ -54,6 +56,8 @@ TRANSFORMER_CONFIG = dict(
 
 
 def build_transformer() -> SanaTransformer2DModel:
+    from diffusers import SanaTransformer2DModel
+
     """A freshly initialised tiny-digits policy transformer (a real diffusers class)."""
     return SanaTransformer2DModel(**TRANSFORMER_CONFIG)
 
@@ -213,6 +217,8 @@ class TinyDigits(ModelAdapter):
     @classmethod
     def load(cls, cfg: ModelConfig, device: torch.device) -> TinyDigits:
         root = cls.weights_dir(cfg)
+        from diffusers import SanaTransformer2DModel
+
         transformer = SanaTransformer2DModel.from_pretrained(root / "transformer").to(device)
         text_encoder = TinyTextEncoder()
         text_encoder.load_state_dict(load_file(root / "text_encoder.safetensors"))
