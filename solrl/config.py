@@ -172,6 +172,17 @@ class RewardConfig(_Section):
         default_factory=lambda: ["digit_alignment", "digit_evaluator", "jpeg_compressibility"],
         description="Rewards logged on the held-out evaluation samples.",
     )
+    models: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="reward name -> its options (weights paths, device, dtype, batch_size, keep_loaded), each "
+        "validated by the reward itself.",
+    )
+    normalize: Literal["none", "group"] = Field(
+        "none",
+        description="none: the weighted sum of raw rewards; group: each reward standardised within its group (a "
+        "prompt's pool when selecting, its kept samples for advantages) before weighting (multi-reward "
+        "advantages, as the peers do).",
+    )
 
 
 class FidelityConfig(_Section):
@@ -266,6 +277,12 @@ class RunConfig(_Section):
             _registered(REWARDS, name, "reward.weights")
         for name in self.reward.evaluate:
             _registered(REWARDS, name, "reward.evaluate")
+        for name in sorted({*self.reward.weights, *self.reward.evaluate, *self.reward.models}):
+            options = _registered(REWARDS, name, "reward.models").Options
+            try:
+                options.model_validate(self.reward.models.get(name, {}))
+            except ValidationError as exc:
+                raise ValueError(_describe_errors(exc, f"reward.models.{name}.", options)) from None
         return self
 
     # -- derived values (never mutated: computed from the config) --------------
@@ -365,9 +382,9 @@ def _apply_override(data: dict[str, Any], path: list[str], value: Any, item: str
     node[path[-1]] = value
 
 
-def _known_keys(loc: tuple) -> list[str]:
-    """The field names of the config section at ``loc`` (() = the top level)."""
-    model: type[BaseModel] = RunConfig
+def _known_keys(loc: tuple, root: type[BaseModel]) -> list[str]:
+    """The field names of the config section at ``loc`` of ``root`` (() = the top level)."""
+    model: type[BaseModel] = root
     for part in loc:
         annotation = model.model_fields[str(part)].annotation
         if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
@@ -376,17 +393,23 @@ def _known_keys(loc: tuple) -> list[str]:
     return [name for name in model.model_fields if name != "base_dir"]
 
 
-def _format_validation_error(exc: ValidationError) -> str:
+def _describe_errors(exc: ValidationError, prefix: str = "", root: type[BaseModel] | None = None) -> str:
+    """pydantic's errors as ``section.key: what is wrong`` parts joined by ``; `` (keys under ``prefix``,
+    known keys looked up from ``root``, default RunConfig)."""
     parts = []
     for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"])
+        loc = prefix + ".".join(str(p) for p in err["loc"])
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
-            msg = f"unknown key; known keys here: {', '.join(_known_keys(err['loc'][:-1]))}"
+            msg = f"unknown key; known keys here: {', '.join(_known_keys(err['loc'][:-1], root or RunConfig))}"
         elif "input" in err and err["type"] not in ("value_error",) and not isinstance(err["input"], dict):
             msg = f"{msg} (got {err['input']!r})"
         parts.append(f"{loc}: {msg}" if loc else msg)
-    return "invalid config: " + "; ".join(parts)
+    return "; ".join(parts)
+
+
+def _format_validation_error(exc: ValidationError) -> str:
+    return "invalid config: " + _describe_errors(exc)
 
 
 def load_config(source: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:

@@ -7,6 +7,7 @@ from solrl.config import ConfigError, RunConfig
 from solrl.registry import EXPLORE_BACKENDS, REWARDS
 from solrl.stages.models import model_family, resolve_device
 from solrl.stages.quant.availability import runnable_precisions
+from solrl.stages.rewards import reward_options
 
 
 def check_runnable(cfg: RunConfig, prompts_sha256: str | None = None) -> None:
@@ -28,6 +29,8 @@ def check_runnable(cfg: RunConfig, prompts_sha256: str | None = None) -> None:
             f"{', '.join(runnable_precisions())}"
         )
     train, evaluation = cfg.train_prompts(), cfg.eval_prompts()
+    for name in sorted({*cfg.reward.weights, *cfg.reward.evaluate}):
+        REWARDS.get(name).check_runnable(reward_options(name, cfg.reward.models))
     try:
         for name in cfg.reward.weights:
             REWARDS.get(name).check_prompts(train, "campaign.prompts_file")

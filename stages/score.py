@@ -9,7 +9,7 @@ import pandas as pd
 
 from solrl.stages.context import StageContext
 from solrl.stages.metrics.fidelity import group_agreement, rank_agreement
-from solrl.stages.rewards import build_reward, score_all
+from solrl.stages.rewards import build_reward, release_rewards, score_all
 from solrl.storage.artifacts import CandidatePool, ExploreRewards, FidelityTable, RegeneratedRewards, Samples, Selection
 from solrl.storage.stage import StageOutput
 
@@ -17,9 +17,14 @@ from solrl.storage.stage import StageOutput
 def score_images(
     ctx: StageContext, images: np.ndarray, prompts: list[str], names: dict[str, float]
 ) -> dict[str, np.ndarray]:
-    """Rewards of uint8 ``[B, H, W, 3]`` images: name -> float32 ``[B]``. RewardError on NaN."""
-    rewards = {name: (build_reward(name, ctx.device), weight) for name, weight in names.items()}
-    return score_all(rewards, images, prompts)
+    """Rewards of uint8 ``[B, H, W, 3]`` images: name -> float32 ``[B]``, each reward built with its
+    ``reward.models`` options (once per process), those not kept loaded freed afterwards. RewardError on NaN."""
+    models = ctx.cfg.reward.models
+    rewards = {name: (build_reward(name, ctx.device, models.get(name)), weight) for name, weight in names.items()}
+    try:
+        return score_all(rewards, images, prompts)
+    finally:
+        release_rewards(list(names))
 
 
 def rewards_table(

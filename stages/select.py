@@ -18,12 +18,18 @@ GRID = "best_worst.png"
 
 def select(ctx: StageContext, out: Path, pool: CandidatePool, scores: ExploreRewards) -> StageOutput:
     """Write the ``Selection`` (group, slot, prompt_index, prompt, candidate_index, seed, rank, explore_reward,
-    kept_as) and ``best_worst.png`` (kept candidates of the first prompts, best left)."""
+    kept_as) and ``best_worst.png`` (kept candidates of the first prompts, best left).
+
+    Seeds are ranked by the weighted rewards (each standardised within the pool first with
+    ``reward.normalize=group``); ``explore_reward`` records the raw weighted sum, comparable with the BF16
+    rewards of the regenerated samples (proxy fidelity)."""
     cfg = ctx.cfg.select
     P, N = pool.seeds.shape
-    rewards = scores.totals(np.broadcast_to(np.arange(N), (P, N)))
-    index, kept_as = select_seeds(rewards, cfg.k, cfg.strategy, seed=ctx.seed("select"))  # [P, k]
-    ranks = pool_ranks(rewards)
+    candidates = np.broadcast_to(np.arange(N), (P, N))
+    ranking = scores.totals(candidates, ctx.cfg.reward.normalize)
+    rewards = scores.totals(candidates)
+    index, kept_as = select_seeds(ranking, cfg.k, cfg.strategy, seed=ctx.seed("select"))  # [P, k]
+    ranks = pool_ranks(ranking)
     rows = np.arange(P)[:, None]
     Selection(
         pd.DataFrame(

@@ -99,7 +99,9 @@ def update(
         FloatingPointError: a non-finite gradient norm.
     """
     tc, loss_fn = ctx.cfg.train, LOSSES.get(ctx.cfg.train.loss)
-    adv = advantages(ctx, samples.prompts, rewards.totals(samples.candidate_index), stats, out)
+    adv = advantages(
+        ctx, samples.prompts, rewards.totals(samples.candidate_index, ctx.cfg.reward.normalize), stats, out
+    )
     policy = ctx.load_policy(start)
     params = policy.trainable_parameters()
     opt = torch.optim.AdamW(params, lr=tc.lr, betas=tc.betas, eps=tc.eps, weight_decay=tc.weight_decay)

@@ -250,19 +250,34 @@ class ExploreRewards(TableArtifact):
     filename: ClassVar[str] = "rewards.parquet"
     columns: ClassVar[tuple[str, ...]] = _REWARD_COLUMNS
 
-    def totals(self, candidate_index: np.ndarray) -> np.ndarray:
+    def totals(self, candidate_index: np.ndarray, normalize: str = "none") -> np.ndarray:
         """Weighted reward (sum over rewards) of each candidate.
+
+        With ``normalize="group"`` each reward is first standardised within its group over the candidates
+        asked for, ``(r - mean) / (std + 1e-4)`` (0 for a group without spread), then weighted and summed: the
+        per-reward normalisation of multi-reward advantages (``reward.normalize``).
 
         Args:
             candidate_index: int ``[P, N]``, the candidates wanted, per group, in the order wanted.
+            normalize: ``none`` or ``group``.
 
         Returns:
             float32 ``[P, N]``; ``[p, j]`` is the total of group ``p``'s candidate ``candidate_index[p, j]``.
         """
-        totals = self.frame.groupby(["group", "candidate_index"])["weighted"].sum()
-        P, N = candidate_index.shape
-        keys = pd.MultiIndex.from_arrays([np.repeat(np.arange(P), N), np.asarray(candidate_index).reshape(-1)])
-        return totals.reindex(keys).to_numpy(np.float32).reshape(P, N)
+        if normalize == "none":
+            totals = self.frame.groupby(["group", "candidate_index"])["weighted"].sum()
+            P, N = candidate_index.shape
+            keys = pd.MultiIndex.from_arrays([np.repeat(np.arange(P), N), np.asarray(candidate_index).reshape(-1)])
+            return totals.reindex(keys).to_numpy(np.float32).reshape(P, N)
+        if normalize != "group":
+            raise ValueError(f"normalize must be none or group, got {normalize!r}")
+        total = np.zeros(np.shape(candidate_index), np.float64)
+        for name, weight in self.frame.groupby("reward", sort=True)["weight"].first().items():
+            values = self.values(str(name), candidate_index).astype(np.float64)  # [P, N]
+            std = values.std(axis=1, keepdims=True)
+            standard = np.where(std < 1e-6, 0.0, (values - values.mean(axis=1, keepdims=True)) / (std + 1e-4))
+            total += float(weight) * standard
+        return total.astype(np.float32)
 
     def values(self, name: str, candidate_index: np.ndarray) -> np.ndarray:
         """Unweighted values of reward ``name``, float32 ``[P, N]`` in ``candidate_index`` order."""

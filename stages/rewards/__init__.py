@@ -5,6 +5,24 @@ ones.
 """
 
 from solrl.stages.rewards import digits, jpeg
-from solrl.stages.rewards.base import Reward, RewardError, build_reward, score_all
+from solrl.stages.rewards.base import (
+    Reward,
+    RewardError,
+    RewardOptions,
+    build_reward,
+    release_rewards,
+    reward_options,
+    score_all,
+)
 
-__all__ = ["Reward", "RewardError", "build_reward", "digits", "jpeg", "score_all"]
+__all__ = [
+    "Reward",
+    "RewardError",
+    "RewardOptions",
+    "build_reward",
+    "digits",
+    "jpeg",
+    "release_rewards",
+    "reward_options",
+    "score_all",
+]

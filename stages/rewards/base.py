@@ -1,60 +1,151 @@
-"""The reward interface, the registry and weighted scoring."""
+"""The reward interface, its options, building (once per process) and checked, weighted scoring."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from pathlib import Path
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 
+from solrl.config import ConfigError
 from solrl.registry import REWARDS
+
+#: Per-sample metadata a reward may use (e.g. GenEval's object specs); one dict per image.
+Metadata = Sequence[dict[str, Any]] | None
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class RewardError(ValueError):
     """A reward returned something unusable (NaN, wrong shape): the stage stops, nothing is written."""
 
 
+class RewardOptions(BaseModel):
+    """What every reward takes under ``reward.models.<name>``; a reward with weights adds their paths."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    device: str = Field("auto", description="Device of the reward model: auto = the stage's device, or cpu, cuda:N.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Dtype of the reward model.")
+    batch_size: int = Field(32, ge=1, description="Images per forward pass of the reward model.")
+    keep_loaded: bool = Field(True, description="Keep the model in memory between stages (false: free it).")
+
+
 class Reward:
     """One signature for every reward: images uint8 ``[B, H, W, 3]`` + prompts + metadata -> float32 ``[B]``,
-    higher is better. A reward registers under its name (``solrl.registry.register_reward``), is built with
-    ``reward(device=...)``, and checks the prompts it can score (``check_prompts``, where work starts)."""
+    higher is better, scored in batches of ``options.batch_size``.
+
+    A reward registers under its name (``solrl.registry.register_reward``) and declares its options
+    (``Options``, validated with the config), the weight files they name (``weight_files``, checked where
+    work starts, with ``published`` in the error) and the prompts it can score (``check_prompts``).
+    Subclasses implement ``_score`` on one batch.
+    """
 
     name: ClassVar[str]
+    Options: ClassVar[type[RewardOptions]] = RewardOptions
+    #: Where the weights are published (for the missing-weights error).
+    published: ClassVar[str] = ""
 
-    def __init__(self, device: torch.device | str = "cpu") -> None:
-        self.device = torch.device(device)
+    def __init__(self, options: RewardOptions | None = None, device: torch.device | str = "cpu") -> None:
+        self.options = options or self.Options()
+        self.device = torch.device(device if self.options.device == "auto" else self.options.device)
+        self.dtype = DTYPES[self.options.dtype]
 
     @classmethod
     def check_prompts(cls, prompts: Sequence[str], field: str) -> None:
         """Raises ValueError naming the first prompt this reward cannot score (default: any prompt is fine)."""
 
-    def __call__(
-        self,
-        images: np.ndarray,
-        prompts: Sequence[str],
-        metadata: dict[str, Any] | None = None,
-    ) -> np.ndarray:
-        """images uint8 ``[B, H, W, 3]``, ``len(prompts) == B`` -> float32 ``[B]``."""
+    @classmethod
+    def weight_files(cls, options: RewardOptions) -> dict[str, str | None]:
+        """Option name -> path of every weights file or folder the options name (none by default)."""
+        return {}
+
+    @classmethod
+    def check_runnable(cls, options: RewardOptions) -> None:
+        """Raises ConfigError naming the first missing weights path and where the weights are published."""
+        for option, path in cls.weight_files(options).items():
+            if path is not None and not Path(path).expanduser().exists():
+                where = f"; weights: {cls.published}" if cls.published else ""
+                raise ConfigError(f"reward.models.{cls.name}.{option}: {path} does not exist{where}")
+
+    def _score(self, images: np.ndarray, prompts: Sequence[str], metadata: Metadata) -> np.ndarray | torch.Tensor:
+        """Scores of one batch: images uint8 ``[b, H, W, 3]`` -> ``[b]``."""
         raise NotImplementedError
 
+    def __call__(self, images: np.ndarray, prompts: Sequence[str], metadata: Metadata = None) -> np.ndarray:
+        """Score images uint8 ``[B, H, W, 3]`` with ``len(prompts) == B`` -> float32 ``[B]``, batch by batch.
 
-def build_reward(name: str, device: torch.device | str = "cpu") -> Reward:
-    """Instantiate the reward registered as ``name``.
+        Raises:
+            ValueError: images are not uint8 ``[B, H, W, 3]``, or prompts (metadata) do not match them.
+        """
+        images = np.asarray(images)
+        if images.dtype != np.uint8 or images.ndim != 4 or images.shape[-1] != 3:
+            raise ValueError(
+                f"reward {self.name}: expected uint8 images [B, H, W, 3], got {images.dtype} {images.shape}"
+            )
+        if len(prompts) != len(images) or (metadata is not None and len(metadata) != len(images)):
+            raise ValueError(f"reward {self.name}: {len(images)} images but {len(prompts)} prompts")
+        size = self.options.batch_size
+        parts = []
+        with torch.no_grad():
+            for start in range(0, len(images), size):
+                batch = slice(start, start + size)
+                scores = self._score(
+                    images[batch], list(prompts[batch]), None if metadata is None else list(metadata[batch])
+                )
+                if isinstance(scores, torch.Tensor):
+                    scores = scores.detach().float().cpu().numpy()
+                parts.append(np.asarray(scores, dtype=np.float32).reshape(-1))
+        return np.concatenate(parts) if parts else np.zeros(0, np.float32)
+
+
+#: Rewards built in this process: (name, options JSON, device) -> reward.
+_LOADED: dict[tuple[str, str, str], Reward] = {}
+
+
+def reward_options(name: str, models: dict[str, dict[str, Any]]) -> RewardOptions:
+    """The validated options of reward ``name`` from ``reward.models`` (defaults when absent).
 
     Raises:
-        ValueError: unknown name (the message lists the registered rewards).
+        ValueError: unknown reward, or options the reward refuses (pydantic's message).
     """
-    return REWARDS.get(name)(device=device)
+    return REWARDS.get(name).Options.model_validate(models.get(name, {}))
 
 
-def checked(reward: Reward, images: np.ndarray, prompts: Sequence[str]) -> np.ndarray:
+def build_reward(name: str, device: torch.device | str = "cpu", options: dict[str, Any] | None = None) -> Reward:
+    """The reward registered as ``name`` with ``options``, built once per process and device.
+
+    Raises:
+        ValueError: unknown name (the message lists the registered rewards), or bad options.
+    """
+    validated = REWARDS.get(name).Options.model_validate(options or {})
+    key = (name, validated.model_dump_json(), str(device))
+    if key not in _LOADED:
+        _LOADED[key] = REWARDS.get(name)(validated, device)
+    return _LOADED[key]
+
+
+def release_rewards(names: Sequence[str] | None = None) -> None:
+    """Drop the built rewards whose options say ``keep_loaded: false`` (all, with ``names=None`` and none kept),
+    freeing their memory."""
+    for key in list(_LOADED):
+        reward = _LOADED[key]
+        if (names is None or key[0] in names) and not reward.options.keep_loaded:
+            del _LOADED[key]
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def checked(reward: Reward, images: np.ndarray, prompts: Sequence[str], metadata: Metadata = None) -> np.ndarray:
     """Call ``reward`` and check its output: float32 ``[B]``, all finite.
 
     Raises:
         RewardError: wrong shape, or a NaN/inf value (naming the first bad prompt).
     """
-    values = np.asarray(reward(images, prompts), dtype=np.float32)
+    values = np.asarray(reward(images, prompts, metadata), dtype=np.float32)
     if values.shape != (len(prompts),):
         raise RewardError(f"reward {reward.name!r} returned shape {values.shape}, expected ({len(prompts)},)")
     bad = np.flatnonzero(~np.isfinite(values))
@@ -67,7 +158,7 @@ def checked(reward: Reward, images: np.ndarray, prompts: Sequence[str]) -> np.nd
 
 
 def score_all(
-    rewards: dict[str, tuple[Reward, float]], images: np.ndarray, prompts: Sequence[str]
+    rewards: dict[str, tuple[Reward, float]], images: np.ndarray, prompts: Sequence[str], metadata: Metadata = None
 ) -> dict[str, np.ndarray]:
     """Score images with every reward. ``rewards``: name -> (reward, weight). Returns name -> float32 ``[B]``."""
-    return {name: checked(reward, images, prompts) for name, (reward, _) in rewards.items()}
+    return {name: checked(reward, images, prompts, metadata) for name, (reward, _) in rewards.items()}

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -18,7 +17,7 @@ from safetensors.torch import load_file
 from solrl.registry import register_reward
 from solrl.stages.models import tiny_digits as td
 from solrl.stages.models.tiny_digits import TINY_DIGITS_WEIGHTS
-from solrl.stages.rewards.base import Reward
+from solrl.stages.rewards.base import Metadata, Reward, RewardOptions
 
 
 @register_reward("digit_alignment")
@@ -36,8 +35,10 @@ class DigitAlignment(Reward):
     backbone: type[torch.nn.Module] = td.DigitClassifier
     weights_file = "classifier.safetensors"
 
-    def __init__(self, device: torch.device | str = "cpu", weights_dir: Path | None = None) -> None:
-        super().__init__(device)
+    def __init__(
+        self, options: RewardOptions | None = None, device: torch.device | str = "cpu", weights_dir: Path | None = None
+    ) -> None:
+        super().__init__(options, device)
         self.net = self.backbone()
         self.net.load_state_dict(load_file((weights_dir or TINY_DIGITS_WEIGHTS) / self.weights_file))
         self.net.to(self.device).eval().requires_grad_(False)
@@ -53,13 +54,7 @@ class DigitAlignment(Reward):
                     f"name one (zero..nine or 0..9) or use other rewards"
                 ) from None
 
-    @torch.no_grad()
-    def __call__(
-        self,
-        images: np.ndarray,
-        prompts: Sequence[str],
-        metadata: dict[str, Any] | None = None,
-    ) -> np.ndarray:
+    def _score(self, images: np.ndarray, prompts: Sequence[str], metadata: Metadata) -> np.ndarray:
         target = torch.tensor([td.prompt_digit(p) for p in prompts], device=self.device)
         probs = self.net(td.images_to_model_input(images).to(self.device)).softmax(-1)  # [B, 10]
         return probs[torch.arange(len(prompts), device=self.device), target].float().cpu().numpy()

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import io
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 from PIL import Image
 
 from solrl.registry import register_reward
-from solrl.stages.rewards.base import Reward
+from solrl.stages.rewards.base import Metadata, Reward
 
 JPEG_QUALITY = 95
 
@@ -21,14 +20,7 @@ class JpegCompressibility(Reward):
 
     name = "jpeg_compressibility"
 
-    def __call__(
-        self,
-        images: np.ndarray,
-        prompts: Sequence[str],
-        metadata: dict[str, Any] | None = None,
-    ) -> np.ndarray:
-        if images.dtype != np.uint8 or images.ndim != 4 or images.shape[-1] != 3:
-            raise ValueError(f"expected uint8 images [B, H, W, 3], got {images.dtype} {images.shape}")
+    def _score(self, images: np.ndarray, prompts: Sequence[str], metadata: Metadata) -> np.ndarray:
         sizes = []
         for image in images:
             buf = io.BytesIO()
