@@ -301,3 +301,22 @@ def test_per_prompt_statistics_persist_across_iterations(tmp_path):
         expected = np.concatenate([older, newer])[-6:]
         np.testing.assert_allclose(second.loc[second.prompt == prompt, "reward"].to_numpy(), expected, rtol=1e-6)
     assert len(first) == 8  # 2 prompts x k = 4 at iteration 1
+
+
+def test_group_normalisation_standardises_each_reward_within_its_group_before_weighting():
+    import pandas as pd
+
+    # Two rewards of very different scales over one group of 3 candidates (and a second group without spread).
+    a, b = np.array([1.0, 2.0, 3.0]), np.array([300.0, 100.0, 200.0])
+    rows = [(0, c, "a", a[c], 1.0) for c in range(3)] + [(0, c, "b", b[c], 0.5) for c in range(3)]
+    rows += [(1, c, name, 7.0, w) for c in range(3) for name, w in (("a", 1.0), ("b", 0.5))]
+    table = pd.DataFrame(rows, columns=["group", "candidate_index", "reward", "value", "weight"])
+    table["weighted"] = table["value"] * table["weight"]
+    for column in ("prompt_index", "prompt", "seed", "precision"):
+        table[column] = 0
+    rewards = ExploreRewards(table)
+    order = np.array([[0, 1, 2], [0, 1, 2]])
+    standard = lambda v: (v - v.mean()) / (v.std() + 1e-4)  # noqa: E731
+    np.testing.assert_allclose(rewards.totals(order, "group")[0], standard(a) + 0.5 * standard(b), rtol=1e-5)
+    np.testing.assert_array_equal(rewards.totals(order, "group")[1], 0)  # no spread: no signal
+    np.testing.assert_allclose(rewards.totals(order)[0], a + 0.5 * b)  # raw weighted sum by default

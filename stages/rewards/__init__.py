@@ -4,7 +4,7 @@ Each reward is a ``Reward`` plug-in registered under its name; importing this pa
 ones.
 """
 
-from solrl.stages.rewards import digits, jpeg
+from solrl.stages.rewards import clip, digits, hps, jpeg, ocr
 from solrl.stages.rewards.base import (
     Reward,
     RewardError,
@@ -20,8 +20,11 @@ __all__ = [
     "RewardError",
     "RewardOptions",
     "build_reward",
+    "clip",
     "digits",
+    "hps",
     "jpeg",
+    "ocr",
     "release_rewards",
     "reward_options",
     "score_all",

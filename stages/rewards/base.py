@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -48,6 +49,8 @@ class Reward:
     Options: ClassVar[type[RewardOptions]] = RewardOptions
     #: Where the weights are published (for the missing-weights error).
     published: ClassVar[str] = ""
+    #: Modules the reward imports (checked where work starts; an optional extra installs them).
+    requires: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, options: RewardOptions | None = None, device: torch.device | str = "cpu") -> None:
         self.options = options or self.Options()
@@ -65,7 +68,11 @@ class Reward:
 
     @classmethod
     def check_runnable(cls, options: RewardOptions) -> None:
-        """Raises ConfigError naming the first missing weights path and where the weights are published."""
+        """Raises ConfigError naming a missing module or the first missing weights path and where the weights
+        are published."""
+        for module in cls.requires:
+            if importlib.util.find_spec(module) is None:
+                raise ConfigError(f"reward {cls.name} needs the {module} package: pip install 'solrl[rewards]'")
         for option, path in cls.weight_files(options).items():
             if path is not None and not Path(path).expanduser().exists():
                 where = f"; weights: {cls.published}" if cls.published else ""
