@@ -262,6 +262,44 @@ def export(
     )
 
 
+@app.command("reward-server")
+def reward_server(
+    name: Annotated[str, typer.Argument(help="A registered reward (pickscore, hpsv2, ocr, ...).")],
+    options: Annotated[
+        str, typer.Option(help="The reward's options as YAML/JSON, e.g. '{path: /models/clip}'.")
+    ] = "{}",
+    host: Annotated[str, typer.Option(help="Address to listen on (loopback by default).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8765,
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda[:N].")] = "auto",
+) -> None:
+    """Serve a reward over HTTP, for runs whose reward.models.NAME.url points here."""
+    import yaml
+
+    _quiet_environment()
+    from pydantic import ValidationError
+
+    from solrl.registry import REWARDS
+    from solrl.stages.models import resolve_device
+    from solrl.stages.rewards import build_reward
+    from solrl.stages.rewards.remote import create_app
+
+    try:
+        parsed = yaml.safe_load(options) or {}
+        if not isinstance(parsed, dict) or parsed.get("url"):
+            raise ValueError("--options must be a mapping of the reward's own options (no url)")
+        validated = REWARDS.get(name).Options.model_validate(parsed)
+        REWARDS.get(name).check_runnable(validated)
+        reward = build_reward(name, resolve_device(device) if device in ("auto", "cpu", "cuda") else device, parsed)
+    except ValidationError as exc:
+        _fail("; ".join(f"--options {'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()))
+    except (ValueError, ConfigError, yaml.YAMLError) as exc:
+        _fail(str(exc))
+    import uvicorn
+
+    typer.echo(f"serving reward {name} on http://{host}:{port} (POST /score, GET /health)", err=True)
+    uvicorn.run(create_app(reward), host=host, port=port, log_level="warning")
+
+
 @app.command("pretrain-tiny-digits")
 def pretrain_tiny_digits(
     steps: Annotated[int, typer.Option(help="Generator pretraining steps (sets how much room RL has).")] = 170,

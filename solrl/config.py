@@ -278,11 +278,12 @@ class RunConfig(_Section):
         for name in self.reward.evaluate:
             _registered(REWARDS, name, "reward.evaluate")
         for name in sorted({*self.reward.weights, *self.reward.evaluate, *self.reward.models}):
-            options = _registered(REWARDS, name, "reward.models").Options
+            reward = _registered(REWARDS, name, "reward.models")
+            raw = self.reward.models.get(name, {})
             try:
-                options.model_validate(self.reward.models.get(name, {}))
+                reward.options_for(raw)
             except ValidationError as exc:
-                raise ValueError(_describe_errors(exc, f"reward.models.{name}.", options)) from None
+                raise ValueError(_describe_errors(exc, f"reward.models.{name}.", reward.Options)) from None
         return self
 
     # -- derived values (never mutated: computed from the config) --------------

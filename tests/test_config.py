@@ -45,10 +45,10 @@ def test_config_is_frozen_and_hash_changes_with_values():
         (["explore.steps=0"], r"explore.steps: Input should be greater than or equal to 1"),
         (["train.timestep_fraction=1.5"], r"train.timestep_fraction: Input should be less than or equal to 1"),
         (
-            ["reward.weights={clipscore: 1.0}"],
-            r"reward.weights: unknown reward 'clipscore'; registered: digit_alignment",
+            ["reward.weights={clip_score: 1.0}"],
+            r"reward.weights: unknown reward 'clip_score'; registered: aesthetic, clipscore, digit_alignment",
         ),
-        (["reward.evaluate=[aesthetic]"], r"reward.evaluate: unknown reward 'aesthetic'"),
+        (["reward.evaluate=[aesthetics]"], r"reward.evaluate: unknown reward 'aesthetics'"),
         (["train.loss=flow_grpo", "regenerate.steps=1"], r"regenerate.steps >= 2.*set regenerate.steps=10"),
         (["explore.pool_size"], r"expected section.key=value"),
         (["train.loss=flow_grpo", "regenerate.noise_level=0"], r"needs an SDE sampler.*set regenerate.noise_level=0.7"),

@@ -33,6 +33,13 @@ class RewardOptions(BaseModel):
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Dtype of the reward model.")
     batch_size: int = Field(32, ge=1, description="Images per forward pass of the reward model.")
     keep_loaded: bool = Field(True, description="Keep the model in memory between stages (false: free it).")
+    url: str | None = Field(
+        None,
+        description="Score through the reward server at this URL (`solrl reward-server NAME`) instead of "
+        "loading the reward here; the server holds the reward's other options.",
+    )
+    timeout: float = Field(120.0, gt=0, description="Remote rewards: seconds a request may take.")
+    retries: int = Field(3, ge=0, description="Remote rewards: retries of a failed request, with back-off.")
 
 
 class Reward:
@@ -58,6 +65,12 @@ class Reward:
         self.dtype = DTYPES[self.options.dtype]
 
     @classmethod
+    def options_for(cls, raw: dict[str, Any]) -> RewardOptions:
+        """Validate ``reward.models.<name>``: this reward's ``Options``, or only the common ones when ``url``
+        names a reward server (which holds the rest). Raises pydantic's ValidationError."""
+        return (RewardOptions if raw.get("url") else cls.Options).model_validate(raw)
+
+    @classmethod
     def check_prompts(cls, prompts: Sequence[str], field: str) -> None:
         """Raises ValueError naming the first prompt this reward cannot score (default: any prompt is fine)."""
 
@@ -69,7 +82,15 @@ class Reward:
     @classmethod
     def check_runnable(cls, options: RewardOptions) -> None:
         """Raises ConfigError naming a missing module or the first missing weights path and where the weights
-        are published."""
+        are published; for a remote reward, unless its server answers."""
+        if options.url:
+            from solrl.stages.rewards.remote import RemoteReward
+
+            try:
+                RemoteReward(cls.name, options).check_server()
+            except RewardError as exc:
+                raise ConfigError(str(exc)) from None
+            return
         for module in cls.requires:
             if importlib.util.find_spec(module) is None:
                 raise ConfigError(f"reward {cls.name} needs the {module} package: pip install 'solrl[rewards]'")
@@ -119,19 +140,25 @@ def reward_options(name: str, models: dict[str, dict[str, Any]]) -> RewardOption
     Raises:
         ValueError: unknown reward, or options the reward refuses (pydantic's message).
     """
-    return REWARDS.get(name).Options.model_validate(models.get(name, {}))
+    return REWARDS.get(name).options_for(models.get(name, {}))
 
 
 def build_reward(name: str, device: torch.device | str = "cpu", options: dict[str, Any] | None = None) -> Reward:
-    """The reward registered as ``name`` with ``options``, built once per process and device.
+    """The reward registered as ``name`` with ``options``, built once per process and device; with
+    ``options["url"]``, the client of that reward server (``solrl.stages.rewards.remote``).
 
     Raises:
         ValueError: unknown name (the message lists the registered rewards), or bad options.
     """
-    validated = REWARDS.get(name).Options.model_validate(options or {})
+    validated = REWARDS.get(name).options_for(options or {})
     key = (name, validated.model_dump_json(), str(device))
     if key not in _LOADED:
-        _LOADED[key] = REWARDS.get(name)(validated, device)
+        if validated.url:
+            from solrl.stages.rewards.remote import RemoteReward
+
+            _LOADED[key] = RemoteReward(name, validated)
+        else:
+            _LOADED[key] = REWARDS.get(name)(validated, device)
     return _LOADED[key]
 
 

@@ -1,0 +1,140 @@
+"""Rewards behind HTTP: a real `solrl reward-server` started here, scores equal to local scoring, failures are
+errors (never scores), and a campaign whose reward server dies mid-run fails cleanly and resumes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from conftest import TINY
+
+from solrl.stages.rewards import RewardError, build_reward
+
+SOLRL = [sys.executable, "-m", "solrl.cli"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_server(name: str, port: int) -> subprocess.Popen:
+    """``solrl reward-server NAME`` on loopback; returns once ``/health`` answers (at most 60 s)."""
+    proc = subprocess.Popen(
+        [*SOLRL, "reward-server", name, "--port", str(port), "--device", "cpu"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        assert proc.poll() is None, proc.stderr.read().decode()[-2000:] if proc.stderr else "server exited"
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).json()["reward"] == name:
+                return proc
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    stop(proc)
+    raise AssertionError("the reward server did not come up in 60 s")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+@pytest.fixture(scope="module")
+def jpeg_server() -> Iterator[str]:
+    port = free_port()
+    proc = start_server("jpeg_compressibility", port)
+    yield f"http://127.0.0.1:{port}"
+    stop(proc)
+
+
+def test_remote_scores_equal_local_scores_batch_by_batch(jpeg_server: str):
+    images = np.random.default_rng(0).integers(0, 256, (7, 24, 20, 3), dtype=np.uint8)
+    prompts = [f"prompt {i}" for i in range(7)]
+    local = build_reward("jpeg_compressibility")(images, prompts)
+    remote = build_reward("jpeg_compressibility", options={"url": jpeg_server, "batch_size": 3})
+    np.testing.assert_array_equal(remote(images, prompts), local)
+    remote.check_server()
+
+
+def test_bad_input_is_refused_by_the_server_without_retries(jpeg_server: str):
+    remote = build_reward("jpeg_compressibility", options={"url": jpeg_server, "retries": 5})
+    start = time.monotonic()
+    with pytest.raises(RewardError, match=r"after 1 attempt\(s\) \(HTTP 422"):
+        remote._post({"prompts": ["a"], "metadata": None, "shape": [1, 2, 2, 3], "images": "AAAA"})
+    assert time.monotonic() - start < 5  # a 4xx is the caller's fault: not retried
+
+
+def test_a_server_that_does_not_answer_is_an_error_never_a_score():
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    remote = build_reward("jpeg_compressibility", options={"url": url, "retries": 1, "timeout": 2})
+    images = np.zeros((2, 8, 8, 3), np.uint8)
+    with pytest.raises(RewardError, match=rf"the reward server at {url} could not score a batch after 2 attempt"):
+        remote(images, ["a", "b"])
+    with pytest.raises(RewardError, match=f"no reward server answers at {url}"):
+        remote.check_server()
+
+
+@pytest.mark.slow
+def test_a_campaign_whose_reward_server_dies_fails_cleanly_and_resumes_when_it_is_back(tmp_path: Path):
+    from solrl.stages.context import StageContext
+    from solrl.stages.pipeline import first_pending
+    from solrl.storage.runs import open_run
+    from solrl.storage.stage import read_manifest
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    store = tmp_path / "store"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    overrides = [*TINY, f"storage.root={store}", f"reward.models={{digit_alignment: {{url: '{url}', retries: 1}}}}"]
+    server = start_server("digit_alignment", port)
+    run = subprocess.Popen(
+        [*SOLRL, "run", *[a for o in overrides for a in ("--set", o)], "--run-id", "remote"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.time() + 300
+        while read_manifest(store / "remote", 1, "score_regenerate") is None:
+            assert run.poll() is None, run.stderr.read()[-3000:] if run.stderr else "solrl run ended early"
+            assert time.time() < deadline, "iteration 1 never scored its regenerations"
+            time.sleep(0.1)
+        stop(server)  # the server dies mid-campaign
+        _, stderr = run.communicate(timeout=300)
+    finally:
+        stop(server)
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    assert run.returncode == 1, stderr[-3000:]
+    assert f"the reward server at {url} could not score a batch" in stderr
+    assert "continue with `solrl resume remote" in stderr
+    opened = open_run(store, "remote")
+    pending = first_pending(StageContext(opened.config, opened.run_dir, "remote", 0, opened.config_hash))
+    assert pending is not None and pending[1] in ("evaluate", "score_explore", "audit", "score_regenerate")
+
+    server = start_server("digit_alignment", port)
+    try:
+        resumed = subprocess.run(
+            [*SOLRL, "resume", "remote", "--store", str(store)], env=env, capture_output=True, text=True, timeout=600
+        )
+    finally:
+        stop(server)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert first_pending(StageContext(opened.config, opened.run_dir, "remote", 0, opened.config_hash)) is None
