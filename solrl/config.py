@@ -24,6 +24,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from solrl.prompts import PromptFileError, PromptSet, read_prompt_set, split
+
 SelectStrategy = Literal["best_worst", "top_k", "random"]
 
 
@@ -213,8 +215,18 @@ class CampaignConfig(_Section):
 
     iterations: int = Field(20, ge=1)
     prompts_per_iteration: int = Field(8, ge=1)
-    prompts_file: str = Field("prompts/tiny-digits-train.txt", description="One prompt a line; relative to the preset.")
-    eval_prompts_file: str = Field("prompts/tiny-digits-eval.txt")
+    prompts_file: str = Field(
+        "prompts/tiny-digits-train.txt",
+        description="Plain text (one prompt a line) or JSONL (a prompt and its metadata a line); relative to "
+        "the preset.",
+    )
+    eval_prompts_file: str | None = Field(
+        "prompts/tiny-digits-eval.txt",
+        description="Held-out evaluation prompts; null = a fixed split of prompts_file (campaign.eval_fraction).",
+    )
+    eval_fraction: float = Field(
+        0.1, gt=0, lt=1, description="With eval_prompts_file null: the fraction of prompts_file held out (by hash)."
+    )
     eval_seeds: int = Field(8, ge=1, description="Fixed seeds per evaluation prompt.")
     eval_every: int = Field(
         1, ge=1, description="Evaluate the rollout policy every N iterations (and before the first)."
@@ -304,11 +316,25 @@ class RunConfig(_Section):
 
         return LOSSES.get(self.train.loss).noise_level(self)
 
+    def prompt_sets(self) -> tuple[PromptSet, PromptSet]:
+        """(training, evaluation) prompt sets: the two files, or the fixed split of ``prompts_file``.
+
+        Raises:
+            ConfigError: a prompt file is missing, unreadable, malformed or empty, or the split leaves a side empty.
+        """
+        try:
+            train = read_prompt_set(self.resolve(self.campaign.prompts_file), "campaign.prompts_file")
+            if self.campaign.eval_prompts_file is None:
+                return split(train, self.campaign.eval_fraction, "campaign.prompts_file")
+            return train, read_prompt_set(self.resolve(self.campaign.eval_prompts_file), "campaign.eval_prompts_file")
+        except PromptFileError as exc:
+            raise ConfigError(str(exc)) from None
+
     def train_prompts(self) -> list[str]:
-        return read_prompts(self.resolve(self.campaign.prompts_file), "campaign.prompts_file")
+        return self.prompt_sets()[0].prompts
 
     def eval_prompts(self) -> list[str]:
-        return read_prompts(self.resolve(self.campaign.eval_prompts_file), "campaign.eval_prompts_file")
+        return self.prompt_sets()[1].prompts
 
     def digest(self) -> str:
         """sha256 of the canonical JSON of the config (``base_dir`` excluded): the config hash."""
@@ -317,8 +343,11 @@ class RunConfig(_Section):
     def prompts_digest(self) -> str:
         """sha256 of the training and evaluation prompt lists the prompt files hold now (a run records it, so
         files edited after the run started are caught before a resume mixes old and new prompts)."""
-        payload = {"train": self.train_prompts(), "eval": self.eval_prompts()}
-        return hashlib.sha256(json.dumps(payload).encode()).hexdigest()
+        train, evaluation = self.prompt_sets()
+        payload: dict[str, Any] = {"train": train.prompts, "eval": evaluation.prompts}
+        if train.has_metadata() or evaluation.has_metadata():  # plain-text sets keep their earlier digest
+            payload |= {"train_metadata": train.metadata, "eval_metadata": evaluation.metadata}
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
 def _registered(registry: Any, name: str, field: str) -> Any:
@@ -332,22 +361,6 @@ def config_digest(data: dict[str, Any]) -> str:
     """sha256 of a config mapping's canonical JSON, ``base_dir`` excluded (``RunConfig.digest`` of a dump)."""
     payload = {k: v for k, v in data.items() if k != "base_dir"}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
-
-
-def read_prompts(path: Path, field: str) -> list[str]:
-    """Read a prompt file: one prompt per line, blank lines and ``#`` comments skipped.
-
-    Raises:
-        ConfigError: the file is missing, unreadable, not UTF-8, or holds no prompt.
-    """
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{field}: cannot read prompt file {str(path)!r} ({exc.__class__.__name__}: {exc})") from exc
-    prompts = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
-    if not prompts:
-        raise ConfigError(f"{field}: prompt file {str(path)!r} holds no prompt; write one prompt per line")
-    return prompts
 
 
 def preset_dir() -> Path:

@@ -48,7 +48,8 @@ def audit(
             noise_level=ctx.cfg.sde_noise_level(),
             sde_window=ctx.cfg.regenerate.sde_window,
         ).samples
-    values = score_images(ctx, policy.model.decode(samples), prompts, ctx.cfg.reward.weights)
+    metadata = ctx.train_metadata(pool.prompt_index[:A], N)
+    values = score_images(ctx, policy.model.decode(samples), prompts, ctx.cfg.reward.weights, metadata)
     bf16 = sum(v * ctx.cfg.reward.weights[name] for name, v in values.items()).reshape(A, N)
     AuditPool(
         pd.DataFrame(

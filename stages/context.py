@@ -58,6 +58,14 @@ class StageContext:
         index = rng.choice(len(prompts), size=count, replace=count > len(prompts)).astype(np.int64)
         return index, [prompts[i] for i in index]
 
+    def train_metadata(self, prompt_index: np.ndarray, repeat: int) -> list[dict] | None:
+        """The metadata of training prompts ``prompt_index [P]``, each repeated ``repeat`` times (one dict per
+        image of a ``[P, repeat]`` pool), or None when the prompt set has none (plain text)."""
+        train = self.cfg.prompt_sets()[0]
+        if not train.has_metadata():
+            return None
+        return [train.metadata[int(i)] for i in prompt_index for _ in range(repeat)]
+
     def load_policy(self, checkpoint: CheckpointArtifact | None) -> Policy:
         """The model with policy/rollout/EMA adapters as of ``checkpoint`` (None: the base model's fresh LoRA).
 

@@ -32,7 +32,8 @@ def evaluate(ctx: StageContext, out: Path, trained: TrainedPolicy | None) -> Sta
     Writes ``EvalSamples`` (images ``[P, S, H, W, 3]``, seeds), ``EvalMetrics`` (per prompt and reward) and
     ``samples.png``.
     """
-    prompts = ctx.cfg.eval_prompts()
+    evaluation = ctx.cfg.prompt_sets()[1]
+    prompts = evaluation.prompts
     S = ctx.cfg.campaign.eval_seeds
     seeds = np.array(
         [[derive_seed(ctx.cfg.campaign.seed, "eval", p, s) for s in range(S)] for p in range(len(prompts))],
@@ -52,7 +53,8 @@ def evaluate(ctx: StageContext, out: Path, trained: TrainedPolicy | None) -> Sta
         ).samples  # deterministic ODE
     images = policy.model.decode(samples)
     grid = images.reshape(len(prompts), S, *images.shape[1:])
-    values = score_images(ctx, images, flat, dict.fromkeys(ctx.cfg.reward.evaluate, 1.0))
+    metadata = [m for m in evaluation.metadata for _ in range(S)] if evaluation.has_metadata() else None
+    values = score_images(ctx, images, flat, dict.fromkeys(ctx.cfg.reward.evaluate, 1.0), metadata)
     EvalSamples(
         images=grid,
         seeds=seeds,

@@ -15,14 +15,19 @@ from solrl.storage.stage import StageOutput
 
 
 def score_images(
-    ctx: StageContext, images: np.ndarray, prompts: list[str], names: dict[str, float]
+    ctx: StageContext,
+    images: np.ndarray,
+    prompts: list[str],
+    names: dict[str, float],
+    metadata: list[dict] | None = None,
 ) -> dict[str, np.ndarray]:
-    """Rewards of uint8 ``[B, H, W, 3]`` images: name -> float32 ``[B]``, each reward built with its
-    ``reward.models`` options (once per process), those not kept loaded freed afterwards. RewardError on NaN."""
+    """Rewards of uint8 ``[B, H, W, 3]`` images (and each image's prompt metadata, if any): name -> float32
+    ``[B]``, each reward built with its ``reward.models`` options (once per process), those not kept loaded
+    freed afterwards. RewardError on NaN."""
     models = ctx.cfg.reward.models
     rewards = {name: (build_reward(name, ctx.device, models.get(name)), weight) for name, weight in names.items()}
     try:
-        return score_all(rewards, images, prompts)
+        return score_all(rewards, images, prompts, metadata)
     finally:
         release_rewards(list(names))
 
@@ -57,7 +62,8 @@ def rewards_table(
 def _score_pool(ctx: StageContext, pool: CandidatePool) -> dict[str, np.ndarray]:
     P, N = pool.seeds.shape
     prompts = [pool.prompts[p] for p in range(P) for _ in range(N)]
-    return score_images(ctx, pool.images.reshape(P * N, *pool.images.shape[2:]), prompts, ctx.cfg.reward.weights)
+    images = pool.images.reshape(P * N, *pool.images.shape[2:])
+    return score_images(ctx, images, prompts, ctx.cfg.reward.weights, ctx.train_metadata(pool.prompt_index, N))
 
 
 def _summary(prefix: str, total: np.ndarray) -> dict[str, float]:

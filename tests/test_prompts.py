@@ -1,0 +1,110 @@
+"""Prompt sets: plain text and JSONL with metadata, the fixed train/evaluation split, metadata to the rewards."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import tiny_config
+
+from solrl.config import ConfigError, load_config
+from solrl.prompts import read_prompt_set, split
+from solrl.registry import register_reward
+from solrl.stages.rewards.base import Metadata, Reward
+
+
+def test_jsonl_prompts_carry_their_metadata_and_the_shipped_sets_parse():
+    geneval = read_prompt_set(Path("configs/prompts/geneval.jsonl"), "f")
+    assert len(geneval.prompts) == 2212 and geneval.prompts[0] == "a photo of two wine glasses"
+    assert geneval.metadata[0] == {
+        "tag": "counting",
+        "include": [{"class": "wine glass", "count": 2}],
+        "exclude": [{"class": "wine glass", "count": 3}],
+    }
+    ocr = read_prompt_set(Path("configs/prompts/ocr.txt"), "f")
+    assert len(ocr.prompts) == 1018 and '"Spring Collection 2024"' in ocr.prompts[0] and not ocr.has_metadata()
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ('{"prompt": "a cat"}\nnot json\n', "line 2 is not JSON"),
+        ('{"text": "no prompt key"}\n', 'line 1 has no "prompt" string'),
+        ('["a list"]\n', 'line 1 has no "prompt" string'),
+        ("# only a comment\n\n", "holds no prompt"),
+    ],
+)
+def test_a_malformed_jsonl_file_is_refused_naming_the_line(tmp_path: Path, text: str, match: str):
+    path = tmp_path / "p.jsonl"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, [f"campaign.prompts_file={path}"]).prompt_sets()
+
+
+def test_the_split_is_fixed_by_prompt_whatever_the_file_order(tmp_path: Path):
+    prompts = read_prompt_set(Path("configs/prompts/ocr.txt"), "f")
+    train, evaluation = split(prompts, 0.1, "f")
+    assert set(train.prompts).isdisjoint(evaluation.prompts)
+    assert 0.06 < len(evaluation.prompts) / len(prompts.prompts) < 0.14
+    reversed_file = tmp_path / "reversed.txt"
+    reversed_file.write_text("\n".join(reversed(prompts.prompts)) + "\n")
+    cfg = load_config(
+        None,
+        [
+            f"campaign.prompts_file={reversed_file}",
+            "campaign.eval_prompts_file=null",
+            "reward.weights={jpeg_compressibility: 1.0}",
+            "reward.evaluate=[jpeg_compressibility]",
+        ],
+    )
+    again_train, again_eval = cfg.prompt_sets()
+    assert sorted(again_eval.prompts) == sorted(evaluation.prompts)
+    assert sorted(again_train.prompts) == sorted(train.prompts)
+    with pytest.raises(ConfigError, match="leaves an empty side"):
+        load_config(
+            None,
+            [
+                "campaign.prompts_file=prompts/tiny-digits-eval.txt",
+                "campaign.eval_prompts_file=null",
+                "campaign.eval_fraction=0.001",
+            ],
+        ).prompt_sets()
+
+
+SEEN: list[dict] = []
+
+
+@register_reward("metadata_probe")
+class MetadataProbe(Reward):
+    """Test-only: scores each image by its metadata's ``count`` and records what it received."""
+
+    name = "metadata_probe"
+
+    def _score(self, images: np.ndarray, prompts: Sequence[str], metadata: Metadata) -> np.ndarray:
+        assert metadata is not None
+        SEEN.extend({"prompt": p, **m} for p, m in zip(prompts, metadata))
+        return np.asarray([m["count"] for m in metadata], np.float32)
+
+
+def test_the_rewards_receive_each_images_prompt_metadata(tmp_path: Path):
+    from solrl.stages.context import StageContext
+    from solrl.stages.pipeline import run_stage
+    from solrl.storage.artifacts import ExploreRewards
+    from solrl.storage.runs import create_run
+
+    digits = ["zero", "one", "two", "three", "four"]
+    path = tmp_path / "digits.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"the digit {d}", "count": i}) + "\n" for i, d in enumerate(digits)))
+    cfg = tiny_config(tmp_path / "store", f"campaign.prompts_file={path}", "reward.weights={metadata_probe: 1.0}")
+    run = create_run(cfg, "metadata")
+    ctx = StageContext(cfg, run.run_dir, run.run_id, 1)
+    SEEN.clear()
+    for stage in ("explore", "score_explore"):
+        run_stage(ctx, stage)
+    assert SEEN and all(item["prompt"] == f"the digit {digits[item['count']]}" for item in SEEN)
+    table = ExploreRewards.load(run.run_dir, 1).frame
+    expected = [digits.index(p.rsplit(" ", 1)[1]) for p in table["prompt"]]
+    np.testing.assert_array_equal(table["value"].to_numpy(), expected)
