@@ -27,7 +27,8 @@ GRID = "samples.png"
 def evaluate(ctx: StageContext, out: Path, trained: TrainedPolicy | None) -> StageOutput:
     """Sample every evaluation prompt with ``campaign.eval_seeds`` fixed seeds (the same every iteration) at
     ``campaign.eval_steps`` (default ``regenerate.steps``) with the rollout policy of this iteration's
-    checkpoint ``trained`` (iteration 0: the base model).
+    checkpoint ``trained`` (iteration 0: the base model), and score them with every reward of
+    ``reward.evaluate`` and ``reward.weights`` (the trained ones are always reported).
 
     Writes ``EvalSamples`` (images ``[P, S, H, W, 3]``, seeds), ``EvalMetrics`` (per prompt and reward) and
     ``samples.png``.
@@ -54,7 +55,8 @@ def evaluate(ctx: StageContext, out: Path, trained: TrainedPolicy | None) -> Sta
     images = policy.model.decode(samples)
     grid = images.reshape(len(prompts), S, *images.shape[1:])
     metadata = [m for m in evaluation.metadata for _ in range(S)] if evaluation.has_metadata() else None
-    values = score_images(ctx, images, flat, dict.fromkeys(ctx.cfg.reward.evaluate, 1.0), metadata)
+    rewards = dict.fromkeys([*ctx.cfg.reward.weights, *ctx.cfg.reward.evaluate], 1.0)  # the trained ones too
+    values = score_images(ctx, images, flat, rewards, metadata)
     EvalSamples(
         images=grid,
         seeds=seeds,
