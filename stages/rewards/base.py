@@ -20,6 +20,11 @@ Metadata = Sequence[dict[str, Any]] | None
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def local(path: str) -> str:
+    """A weights path from the config with ``~`` expanded."""
+    return str(Path(path).expanduser())
+
+
 class RewardError(ValueError):
     """A reward returned something unusable (NaN, wrong shape): the stage stops, nothing is written."""
 

@@ -17,7 +17,7 @@ from pydantic import Field
 from torch import nn
 
 from solrl.registry import register_reward
-from solrl.stages.rewards.base import Metadata, Reward, RewardOptions
+from solrl.stages.rewards.base import Metadata, Reward, RewardOptions, local
 
 
 class CLIPOptions(RewardOptions):
@@ -41,9 +41,9 @@ class CLIPReward(Reward):
 
         super().__init__(options, device)
         assert isinstance(self.options, CLIPOptions)
-        self.model = CLIPModel.from_pretrained(self.options.path, dtype=self.dtype).to(self.device)
+        self.model = CLIPModel.from_pretrained(local(self.options.path), dtype=self.dtype).to(self.device)
         self.model.eval().requires_grad_(False)
-        self.processor = CLIPProcessor.from_pretrained(self.options.processor or self.options.path)
+        self.processor = CLIPProcessor.from_pretrained(local(self.options.processor or self.options.path))
 
     @classmethod
     def weight_files(cls, options: RewardOptions) -> dict[str, str | None]:
@@ -154,6 +154,7 @@ class Aesthetic(CLIPReward):
 def load_weights(path: str) -> dict[str, torch.Tensor]:
     """A state dict from ``.safetensors``, or from a PyTorch file holding only tensors (``torch.load`` with
     ``weights_only=True``: no pickled code runs)."""
+    path = local(path)
     if path.endswith(".safetensors"):
         from safetensors.torch import load_file
 
