@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-from solrl.stages.models.flux import Flux
-from solrl.stages.models.sana import Sana
-from solrl.stages.models.sd3 import SD3
+from solrl.stages.models.flux import Flux, TinyFlux
+from solrl.stages.models.sana import Sana, TinySana
+from solrl.stages.models.sd3 import SD3, TinySD3
 from solrl.stages.quant import quantize_model_
 from solrl.stages.quant.availability import runnable_precisions, unavailable_reason
 
@@ -54,20 +54,7 @@ def _sana(smoke: bool) -> torch.nn.Module:
     from diffusers import SanaTransformer2DModel
 
     if smoke:
-        return SanaTransformer2DModel(
-            in_channels=4,
-            out_channels=4,
-            num_attention_heads=2,
-            attention_head_dim=32,
-            num_layers=2,
-            num_cross_attention_heads=2,
-            cross_attention_head_dim=32,
-            cross_attention_dim=64,
-            caption_channels=32,
-            sample_size=8,
-            patch_size=1,
-            interpolation_scale=1.0,
-        )
+        return TinySana.tiny_transformer()  # the tiny CPU family's transformer
     return SanaTransformer2DModel()  # diffusers' defaults are the 1600M configuration
 
 
@@ -85,18 +72,7 @@ def _flux(smoke: bool) -> torch.nn.Module:
     from diffusers import FluxTransformer2DModel
 
     if smoke:
-        return FluxTransformer2DModel(
-            patch_size=1,
-            in_channels=16,
-            num_layers=1,
-            num_single_layers=1,
-            attention_head_dim=16,
-            num_attention_heads=2,
-            joint_attention_dim=32,
-            pooled_projection_dim=32,
-            axes_dims_rope=[4, 4, 8],
-            guidance_embeds=True,
-        )
+        return TinyFlux.tiny_transformer()  # the tiny CPU family's transformer
     return FluxTransformer2DModel(guidance_embeds=True)  # diffusers' defaults are FLUX.1; dev has guidance
 
 
@@ -121,20 +97,7 @@ def _sd3(smoke: bool) -> torch.nn.Module:
     from diffusers import SD3Transformer2DModel
 
     if smoke:
-        return SD3Transformer2DModel(
-            sample_size=16,
-            patch_size=2,
-            in_channels=4,
-            out_channels=4,
-            num_layers=2,
-            attention_head_dim=16,
-            num_attention_heads=2,
-            caption_projection_dim=32,
-            joint_attention_dim=64,
-            pooled_projection_dim=48,
-            pos_embed_max_size=32,
-            qk_norm="rms_norm",
-        )
+        return TinySD3.tiny_transformer()  # the tiny CPU family's transformer
     return SD3Transformer2DModel(  # the SD3.5-Large configuration
         sample_size=128,
         patch_size=2,

@@ -60,7 +60,7 @@ def build_clip(size: str, root: Path) -> str:
     """A random CLIPModel of ``size`` with a CLIPProcessor (224 px; a small local tokenizer), saved to ``root``."""
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
 
-    from solrl.stages.models.tiny_text import clip_tokenizer
+    from solrl.stages.models.tiny_components import clip_tokenizer
 
     spec = CLIP_SIZES[size]
     tokenizer = clip_tokenizer()

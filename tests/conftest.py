@@ -46,3 +46,17 @@ def tiny_config(root: Path, *extra: str) -> RunConfig:
 @pytest.fixture
 def tiny_cfg(tmp_path: Path) -> RunConfig:
     return tiny_config(tmp_path / "runs")
+
+
+def trained_policy(cfg: RunConfig, rank: int, alpha: float, scale: float = 0.1):
+    """A Policy of ``cfg``'s model whose ``policy`` adapter is as if trained: LoRA B drawn away from its zero init."""
+    from solrl.stages.models import load_model
+    from solrl.stages.models.policy import Policy
+
+    policy = Policy(load_model(cfg.model, torch.device("cpu")), rank, alpha, seed=0)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for key, p in policy.adapter_params("policy").items():
+            if "lora_B" in key:
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
+    return policy

@@ -10,13 +10,13 @@ from pathlib import Path
 import diffusers
 import pytest
 import torch
+from conftest import trained_policy
 from typer.testing import CliRunner
 
 from solrl.cli import app
 from solrl.config import load_config
 from solrl.stages.models import load_model, model_family
 from solrl.stages.models.lora import LORA_WEIGHTS, save_diffusers_lora
-from solrl.stages.models.policy import Policy
 from solrl.stages.sampling.rollout import generate
 from solrl.stages.sampling.samplers import initial_noise
 
@@ -50,16 +50,6 @@ def test_a_tiny_family_is_built_saved_and_loaded_through_its_adapter(tmp_path: P
     assert sigmas.shape == (5,) and sigmas[0] == 1 and sigmas[-1] == 0 and (sigmas.diff() < 0).all()
 
 
-def _trained_policy(cfg) -> Policy:
-    policy = Policy(load_model(cfg.model, torch.device("cpu")), rank=4, alpha=8.0, seed=0)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():  # as if trained: LoRA B away from its zero init
-        for key, p in policy.adapter_params("policy").items():
-            if "lora_B" in key:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-    return policy
-
-
 def _stock_pipeline_latents(pipe, family: str, prompt: str, noise: torch.Tensor, steps: int) -> torch.Tensor:
     """The stock pipeline's final latents from ``noise`` ``[1, C, h, w]``, without classifier-free guidance."""
     kwargs = dict(
@@ -86,7 +76,7 @@ def _stock_pipeline_latents(pipe, family: str, prompt: str, noise: torch.Tensor,
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_exported_lora_loads_into_the_stock_pipeline_and_samples_as_the_policy(tmp_path: Path, family, caplog):
     cfg = _config(family, tmp_path / "runs", "model.solver=euler")
-    policy = _trained_policy(cfg)
+    policy = trained_policy(cfg, rank=4, alpha=8.0)
     family_cls = model_family(cfg.model)
     save_diffusers_lora(policy, "policy", family_cls.pipeline_class, tmp_path / "lora")
 

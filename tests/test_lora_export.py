@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import trained_policy
 from diffusers import SanaTransformer2DModel
 from peft import get_peft_model_state_dict
 from safetensors.torch import load_file
@@ -14,9 +15,7 @@ from typer.testing import CliRunner
 
 from solrl.cli import app
 from solrl.config import load_config
-from solrl.stages.models import load_model
 from solrl.stages.models.lora import LORA_WEIGHTS, save_diffusers_lora
-from solrl.stages.models.policy import Policy
 from solrl.stages.models.tiny_digits import TINY_DIGITS_WEIGHTS
 
 
@@ -35,25 +34,17 @@ def _stock_transformer_with(folder: Path, caplog) -> SanaTransformer2DModel:
     return transformer
 
 
-def _trained_policy(rank: int, alpha: float) -> Policy:
-    policy = Policy(load_model(load_config().model, torch.device("cpu")), rank, alpha, seed=0)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():  # as if trained: LoRA B away from its zero init
-        for key, p in policy.adapter_params("policy").items():
-            if "lora_B" in key:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-    return policy
-
-
 def test_exported_keys_are_diffusers_format_not_peft_format(tmp_path: Path):
-    path = save_diffusers_lora(_trained_policy(4, 8.0), "policy", "SanaPipeline", tmp_path)
+    path = save_diffusers_lora(trained_policy(load_config(), 4, 8.0, scale=0.05), "policy", "SanaPipeline", tmp_path)
     keys = list(load_file(path))
     assert path.name == LORA_WEIGHTS and keys and all(k.startswith("transformer.") for k in keys)
     assert not [k for k in keys if "base_model.model." in k or ".default" in k or "{adapter}" in k or ".policy." in k]
 
 
 def test_exported_lora_loads_without_missing_keys_and_reproduces_the_policy(tmp_path: Path, caplog):
-    policy = _trained_policy(4, 8.0)  # alpha != rank: the scale alpha / r = 2 must travel with the file
+    policy = trained_policy(
+        load_config(), 4, 8.0, scale=0.05
+    )  # alpha != rank: the scale alpha / r = 2 must travel with the file
     save_diffusers_lora(policy, "policy", "SanaPipeline", tmp_path)
     stock = _stock_transformer_with(tmp_path, caplog)
     ours = get_peft_model_state_dict(policy.transformer, adapter_name="policy")
@@ -75,7 +66,7 @@ def test_exported_lora_loads_without_missing_keys_and_reproduces_the_policy(tmp_
 
 def test_unknown_adapter_is_refused(tmp_path: Path):
     with pytest.raises(KeyError, match="no adapter 'best'"):
-        save_diffusers_lora(_trained_policy(4, 4.0), "best", "SanaPipeline", tmp_path)
+        save_diffusers_lora(trained_policy(load_config(), 4, 4.0, scale=0.05), "best", "SanaPipeline", tmp_path)
 
 
 @pytest.mark.slow

@@ -32,7 +32,7 @@ def tiny_clip(tmp_path_factory) -> dict[str, str]:
     """A tiny random transformers CLIPModel + CLIPProcessor (local tokenizer) and an aesthetic head, saved."""
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
 
-    from solrl.stages.models.tiny_text import clip_tokenizer
+    from solrl.stages.models.tiny_components import clip_tokenizer
 
     root = tmp_path_factory.mktemp("clip")
     tokenizer = clip_tokenizer()

@@ -168,6 +168,10 @@ def build_once(family: type[DiffusersFamily], out: Path) -> Path:
     return out
 
 
+#: Bumped whenever a tiny family's builder changes, so a machine's cached tiny models are rebuilt.
+TINY_VERSION = 1
+
+
 class TinyFamily:
     """Mixin of the tiny families: weights built on first use in the solrl cache (or at ``model.path``)."""
 
@@ -175,7 +179,8 @@ class TinyFamily:
 
     @classmethod
     def weights_dir(cls, cfg: ModelConfig) -> Path:
-        return Path(cfg.path).expanduser() if cfg.path else solrl_cache() / "models" / cls.name  # type: ignore[attr-defined]
+        default = solrl_cache() / "models" / f"{cls.name}-v{TINY_VERSION}"  # type: ignore[attr-defined]
+        return Path(cfg.path).expanduser() if cfg.path else default
 
     @classmethod
     def check_runnable(cls, cfg: ModelConfig) -> None:

@@ -113,32 +113,12 @@ class TinyFlux(TinyFamily, Flux):
     default_max_sequence_length: ClassVar[int] = 16
 
     @classmethod
-    def build_tiny(cls, out: Path) -> None:
-        from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    def tiny_transformer(cls):  # -> diffusers.FluxTransformer2DModel
+        """The tiny random transformer of this family (seeded: the same weights on every machine)."""
+        from diffusers import FluxTransformer2DModel
 
-        from solrl.stages.models.tiny_text import clip_text_model, clip_tokenizer, t5_encoder, t5_tokenizer
-
-        tokenizer, tokenizer_2 = clip_tokenizer(), t5_tokenizer()
-        text_encoder = clip_text_model(tokenizer, hidden=32)
-        text_encoder_2 = t5_encoder(tokenizer_2, d_model=32)
         torch.manual_seed(0)
-        vae = AutoencoderKL(
-            in_channels=3,
-            out_channels=3,
-            down_block_types=("DownEncoderBlock2D",) * 2,
-            up_block_types=("UpDecoderBlock2D",) * 2,
-            block_out_channels=(8, 8),
-            layers_per_block=1,
-            latent_channels=4,
-            norm_num_groups=4,
-            sample_size=32,
-            use_quant_conv=False,
-            use_post_quant_conv=False,
-            scaling_factor=0.3611,
-            shift_factor=0.1159,
-        )
-        torch.manual_seed(0)
-        transformer = FluxTransformer2DModel(
+        return FluxTransformer2DModel(
             patch_size=1,
             in_channels=16,
             num_layers=1,
@@ -150,6 +130,24 @@ class TinyFlux(TinyFamily, Flux):
             axes_dims_rope=[4, 4, 8],
             guidance_embeds=True,
         )  # in_channels = 4 x the VAE's latent channels; joint = T5 width; pooled = CLIP width
+
+    @classmethod
+    def build_tiny(cls, out: Path) -> None:
+        from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+
+        from solrl.stages.models.tiny_components import (
+            autoencoder_kl,
+            clip_text_model,
+            clip_tokenizer,
+            t5_encoder,
+            t5_tokenizer,
+        )
+
+        tokenizer, tokenizer_2 = clip_tokenizer(), t5_tokenizer()
+        text_encoder = clip_text_model(tokenizer, hidden=32)
+        text_encoder_2 = t5_encoder(tokenizer_2, d_model=32)
+        vae = autoencoder_kl(0.3611, 0.1159)  # the published VAE's scaling and shift factors
+        transformer = cls.tiny_transformer()
         scheduler = FlowMatchEulerDiscreteScheduler(
             shift=3.0,
             use_dynamic_shifting=True,

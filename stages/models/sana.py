@@ -87,15 +87,12 @@ class TinySana(TinyFamily, Sana):
     default_max_sequence_length: ClassVar[int] = 16
 
     @classmethod
-    def build_tiny(cls, out: Path) -> None:
-        from diffusers import AutoencoderDC, FlowMatchEulerDiscreteScheduler, SanaPipeline, SanaTransformer2DModel
+    def tiny_transformer(cls):  # -> diffusers.SanaTransformer2DModel
+        """The tiny random transformer of this family (seeded: the same weights on every machine)."""
+        from diffusers import SanaTransformer2DModel
 
-        from solrl.stages.models.tiny_text import gemma2_encoder, gemma_tokenizer
-
-        tokenizer = gemma_tokenizer()
-        text_encoder = gemma2_encoder(tokenizer, hidden=32)
         torch.manual_seed(0)
-        transformer = SanaTransformer2DModel(
+        return SanaTransformer2DModel(
             patch_size=1,
             in_channels=4,
             out_channels=4,
@@ -109,6 +106,16 @@ class TinySana(TinyFamily, Sana):
             sample_size=32,
             mlp_ratio=2.5,
         )  # cross_attention_dim = heads x head dim; caption_channels = the Gemma-2 width
+
+    @classmethod
+    def build_tiny(cls, out: Path) -> None:
+        from diffusers import AutoencoderDC, FlowMatchEulerDiscreteScheduler, SanaPipeline
+
+        from solrl.stages.models.tiny_components import gemma2_encoder, gemma_tokenizer
+
+        tokenizer = gemma_tokenizer()
+        text_encoder = gemma2_encoder(tokenizer, hidden=32)
+        transformer = cls.tiny_transformer()
         torch.manual_seed(0)
         vae = AutoencoderDC(
             in_channels=3,

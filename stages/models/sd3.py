@@ -88,38 +88,12 @@ class TinySD3(TinyFamily, SD3):
     default_max_sequence_length: ClassVar[int] = 16
 
     @classmethod
-    def build_tiny(cls, out: Path) -> None:
-        from diffusers import (
-            AutoencoderKL,
-            FlowMatchEulerDiscreteScheduler,
-            SD3Transformer2DModel,
-            StableDiffusion3Pipeline,
-        )
+    def tiny_transformer(cls):  # -> diffusers.SD3Transformer2DModel
+        """The tiny random transformer of this family (seeded: the same weights on every machine)."""
+        from diffusers import SD3Transformer2DModel
 
-        from solrl.stages.models.tiny_text import clip_text_model, clip_tokenizer, t5_encoder, t5_tokenizer
-
-        tokenizer, tokenizer_2, tokenizer_3 = clip_tokenizer(), clip_tokenizer(pad_token="!"), t5_tokenizer()
-        text_encoder = clip_text_model(tokenizer, hidden=16, projection=16, seed=0)  # "CLIP-L"
-        text_encoder_2 = clip_text_model(tokenizer_2, hidden=32, projection=32, seed=1, act="gelu")  # "CLIP-G"
-        text_encoder_3 = t5_encoder(tokenizer_3, d_model=64)  # >= 16 + 32: SD3 pads the CLIP states to it
         torch.manual_seed(0)
-        vae = AutoencoderKL(
-            in_channels=3,
-            out_channels=3,
-            down_block_types=("DownEncoderBlock2D",) * 2,
-            up_block_types=("UpDecoderBlock2D",) * 2,
-            block_out_channels=(8, 8),
-            layers_per_block=1,
-            latent_channels=4,
-            norm_num_groups=4,
-            sample_size=32,
-            use_quant_conv=False,
-            use_post_quant_conv=False,
-            scaling_factor=1.5305,
-            shift_factor=0.0609,
-        )
-        torch.manual_seed(0)
-        transformer = SD3Transformer2DModel(
+        return SD3Transformer2DModel(
             sample_size=16,
             patch_size=2,
             in_channels=4,
@@ -134,6 +108,28 @@ class TinySD3(TinyFamily, SD3):
             qk_norm="rms_norm",
             dual_attention_layers=(0,),
         )  # joint = T5 width; pooled = the two CLIP projections
+
+    @classmethod
+    def build_tiny(cls, out: Path) -> None:
+        from diffusers import (
+            FlowMatchEulerDiscreteScheduler,
+            StableDiffusion3Pipeline,
+        )
+
+        from solrl.stages.models.tiny_components import (
+            autoencoder_kl,
+            clip_text_model,
+            clip_tokenizer,
+            t5_encoder,
+            t5_tokenizer,
+        )
+
+        tokenizer, tokenizer_2, tokenizer_3 = clip_tokenizer(), clip_tokenizer(pad_token="!"), t5_tokenizer()
+        text_encoder = clip_text_model(tokenizer, hidden=16, projection=16, seed=0)  # "CLIP-L"
+        text_encoder_2 = clip_text_model(tokenizer_2, hidden=32, projection=32, seed=1, act="gelu")  # "CLIP-G"
+        text_encoder_3 = t5_encoder(tokenizer_3, d_model=64)  # >= 16 + 32: SD3 pads the CLIP states to it
+        vae = autoencoder_kl(1.5305, 0.0609)  # the published VAE's scaling and shift factors
+        transformer = cls.tiny_transformer()
         StableDiffusion3Pipeline(
             transformer=transformer,
             scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),

@@ -1,4 +1,4 @@
-"""Tiny tokenizers and text encoders of the real classes, built locally (no hub), for the tiny families.
+"""Tiny tokenizers, text encoders and VAEs of the real classes, built locally (no hub), for the tiny families.
 
 The vocabularies are small (characters and a few merges), so the tiny models encode any prompt; their
 weights are random. Used only to build ``tiny-sana``, ``tiny-flux`` and ``tiny-sd3`` on first use and in
@@ -122,3 +122,25 @@ def gemma2_encoder(tokenizer: GemmaTokenizer, hidden: int, seed: int = 0) -> Gem
             eos_token_id=tokenizer.eos_token_id,
         )
     ).eval()
+
+
+def autoencoder_kl(scaling_factor: float, shift_factor: float, seed: int = 0):  # -> diffusers.AutoencoderKL
+    """A 2-block ``AutoencoderKL`` (x2 downsampling, 4 latent channels) with the family's scaling and shift."""
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(seed)
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        block_out_channels=(8, 8),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=4,
+        sample_size=32,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        scaling_factor=scaling_factor,
+        shift_factor=shift_factor,
+    )
