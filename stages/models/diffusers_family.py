@@ -29,6 +29,16 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 DECODE_BATCH = 8
 
 
+def quiet_loading() -> None:
+    """No per-file progress bars from diffusers and transformers while solrl loads or builds a pipeline (the
+    campaign's own log says what is loading)."""
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    diffusers_logging.disable_progress_bar()
+    transformers_logging.disable_progress_bar()
+
+
 def weights_dtype(device: torch.device) -> torch.dtype:
     """bfloat16 weights on CUDA (BF16 train, DESIGN 1), float32 on CPU."""
     return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -84,6 +94,7 @@ class DiffusersFamily(ModelAdapter):
     def load(cls, cfg: ModelConfig, device: torch.device) -> DiffusersFamily:
         import diffusers
 
+        quiet_loading()
         root = cls.weights_dir(cfg)
         pipe = getattr(diffusers, cls.pipeline_class).from_pretrained(root, dtype=weights_dtype(device))
         pipe.set_progress_bar_config(disable=True)
@@ -155,6 +166,7 @@ def build_once(family: type[DiffusersFamily], out: Path) -> Path:
     if (out / "model_index.json").exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
+    quiet_loading()
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         family.build_tiny(tmp)
