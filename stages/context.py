@@ -20,7 +20,7 @@ from solrl.storage.artifacts import CheckpointArtifact
 #: Folder of the run store caching the prompt embeddings of a run (one safetensors file per model and prompt set).
 PROMPT_EMBEDDINGS = "prompt_embeddings"
 #: The loaded policy of this process, keyed by (model config, run seed, device, run folder).
-_POLICIES: dict[tuple[str, int, str], Policy] = {}
+_POLICIES: dict[tuple[str, int, str, str], Policy] = {}
 
 
 @dataclass(frozen=True)

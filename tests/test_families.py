@@ -147,3 +147,25 @@ def test_a_real_preset_without_its_weights_exits_2_naming_the_path_and_where_the
     assert result.exit_code == 2, result.output
     assert "model_index.json is missing" in result.stderr and where in result.stderr
     assert not (tmp_path / "store").exists()
+
+
+def test_prompt_embeddings_are_cached_once_and_a_corrupt_cache_is_recomputed(tmp_path: Path):
+    from safetensors.torch import load_file
+
+    cfg = _config("tiny-sd3", tmp_path / "runs")
+    prompts = ["a photo of a cat", "a photo of two dogs"]
+    cache = tmp_path / "embeddings.safetensors"
+    first = load_model(cfg.model, torch.device("cpu"))
+    first.precompute(prompts, cache)
+    assert cache.exists() and first.text_encoders() == {name: None for name in first.text_encoder_names}
+    with pytest.raises(KeyError, match="was not encoded before the text encoders were released"):
+        first.encode(["a prompt never seen"])
+    second = load_model(cfg.model, torch.device("cpu"))
+    second.precompute(prompts, cache)  # read from the cache
+    for key, value in first.encode(prompts).items():
+        torch.testing.assert_close(second.encode(prompts)[key], value)
+    cache.write_bytes(b"not a safetensors file")
+    third = load_model(cfg.model, torch.device("cpu"))
+    third.precompute(prompts, cache)  # recomputed, and the cache rewritten
+    torch.testing.assert_close(third.encode(prompts)["emb"], first.encode(prompts)["emb"])
+    assert set(load_file(cache)) == {f"{i}/{name}" for i in range(2) for name in ("emb", "pooled")}

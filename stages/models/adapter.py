@@ -155,16 +155,12 @@ class ModelAdapter:
         computed once per prompt set).
 
         With ``cache`` (a ``.safetensors`` file in the run store, named by the prompts and the model), the
-        embeddings are read from it when present, else computed and written there atomically, so a resumed or
-        sharded run never loads the text encoders again.
+        embeddings are read from it when present (an unreadable file is a miss), else computed and written there
+        atomically, so a resumed run does not encode its prompts again. (The text encoders are still loaded with
+        the pipeline, then released here; loading without them is for later.)
         """
         unique = sorted(set(prompts))
-        if cache is not None and cache.exists():
-            tensors = load_file(cache, device=str(self.device))
-            names = sorted({key.split("/", 1)[1] for key in tensors})
-            for i, prompt in enumerate(unique):
-                self._cache[prompt] = {name: tensors[f"{i}/{name}"] for name in names}
-        else:
+        if cache is None or not (cache.exists() and self._load_embeddings(cache, unique)):
             self.encode(unique)
             if cache is not None:
                 cache.parent.mkdir(parents=True, exist_ok=True)
@@ -179,6 +175,18 @@ class ModelAdapter:
                 )
                 os.replace(tmp, cache)
         self.release_text_encoders()
+
+    def _load_embeddings(self, cache: Path, prompts: list[str]) -> bool:
+        """Fill the prompt cache from ``cache``; False (nothing loaded) when the file is unreadable or does not
+        hold these prompts, so the embeddings are computed again and the file rewritten."""
+        try:
+            tensors = load_file(cache, device=str(self.device))
+            names = sorted({key.split("/", 1)[1] for key in tensors})
+            loaded = {p: {name: tensors[f"{i}/{name}"] for name in names} for i, p in enumerate(prompts)}
+        except Exception:  # a truncated or foreign file is a cache miss, never trusted
+            return False
+        self._cache.update(loaded)
+        return True
 
     def release_text_encoders(self) -> None:
         """Free the text encoders: only cached prompts can be encoded from now on."""
