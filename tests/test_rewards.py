@@ -268,3 +268,21 @@ def test_a_campaign_trains_on_a_weighted_pair_of_real_rewards_and_logs_each(tmp_
     (mlflow_run,) = client.search_runs(client.get_experiment_by_name("solrl").experiment_id)
     for key in ("eval/pickscore", "eval/hpsv2", "eval/jpeg_compressibility", "eval/diversity"):
         assert sorted(m.step for m in client.get_metric_history(mlflow_run.info.run_id, key)) == [0, 1, 2], key
+
+
+def test_imagereward_without_its_package_is_refused_where_work_starts_naming_the_extra():
+    import importlib.util
+
+    if importlib.util.find_spec("ImageReward") is not None:
+        pytest.skip("the image-reward package is installed here")
+    cfg = load_config(
+        None,
+        [
+            "reward.evaluate=[digit_alignment, imagereward]",
+            "reward.models={imagereward: {checkpoint: /m/ImageReward.pt, med_config: /m/med.json}}",
+        ],
+    )
+    with pytest.raises(
+        ConfigError, match=r"reward imagereward needs the ImageReward package: pip install 'solrl\[imagereward\]'"
+    ):
+        check_runnable(cfg)

@@ -4,7 +4,7 @@ Each reward is a ``Reward`` plug-in registered under its name; importing this pa
 ones.
 """
 
-from solrl.stages.rewards import clip, digits, hps, jpeg, ocr
+from solrl.stages.rewards import clip, digits, hps, imagereward, jpeg, ocr
 from solrl.stages.rewards.base import (
     Reward,
     RewardError,
@@ -23,6 +23,7 @@ __all__ = [
     "clip",
     "digits",
     "hps",
+    "imagereward",
     "jpeg",
     "ocr",
     "release_rewards",

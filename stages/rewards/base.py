@@ -61,8 +61,9 @@ class Reward:
     Options: ClassVar[type[RewardOptions]] = RewardOptions
     #: Where the weights are published (for the missing-weights error).
     published: ClassVar[str] = ""
-    #: Modules the reward imports (checked where work starts; an optional extra installs them).
+    #: Modules the reward imports (checked where work starts) and the optional extra that installs them.
     requires: ClassVar[tuple[str, ...]] = ()
+    extra: ClassVar[str] = "rewards"
 
     def __init__(self, options: RewardOptions | None = None, device: torch.device | str = "cpu") -> None:
         self.options = options or self.Options()
@@ -98,7 +99,7 @@ class Reward:
             return
         for module in cls.requires:
             if importlib.util.find_spec(module) is None:
-                raise ConfigError(f"reward {cls.name} needs the {module} package: pip install 'solrl[rewards]'")
+                raise ConfigError(f"reward {cls.name} needs the {module} package: pip install 'solrl[{cls.extra}]'")
         for option, path in cls.weight_files(options).items():
             if path is not None and not Path(path).expanduser().exists():
                 where = f"; weights: {cls.published}" if cls.published else ""
