@@ -100,10 +100,12 @@ def resume(run_id: Annotated[str, typer.Argument(help="The run to continue.")], 
     """Continue a run: committed stages are skipped, the first stage without a manifest runs next."""
     try:
         from solrl.stages.runnable import check_runnable
-        from solrl.storage.runs import open_run
+        from solrl.storage.runs import open_run, run_lock
 
         run_ = open_run(store, run_id)
         check_runnable(run_.config, run_.prompts_sha256)
+        with run_lock(run_.run_dir):  # refuse now, not after Prefect has started, when another process runs it
+            pass
     except ConfigError as exc:
         _fail(str(exc))
     from solrl.stages.context import StageContext
@@ -210,7 +212,10 @@ def report(
             ax.set_xlabel("iteration")
             ax.grid(alpha=0.3)
         fig.tight_layout()
-        fig.savefig(plot, dpi=110)
+        try:
+            fig.savefig(plot, dpi=110)
+        except OSError as exc:
+            _fail(f"--plot {plot}: cannot write the PNG there ({exc.strerror or exc})")
         typer.echo(f"curves saved to {plot}")
 
 
@@ -231,7 +236,7 @@ def export(
     from solrl.stages.models.policy import ADAPTERS
     from solrl.storage.artifacts import Checkpoint
     from solrl.storage.runs import open_run
-    from solrl.storage.stage import read_manifest
+    from solrl.storage.stage import StageNotCommitted, read_manifest
 
     if adapter not in ADAPTERS:
         _fail(f"--adapter {adapter!r}: choose one of {', '.join(ADAPTERS)}")
@@ -254,8 +259,19 @@ def export(
             f"{', '.join(map(str, committed)) or 'none'}"
         )
     cfg = run_.config.model_copy(update={"model": run_.config.model.model_copy(update={"device": "cpu"})})
-    policy = StageContext(cfg, run_.run_dir, run_id, iteration).load_policy(Checkpoint.load(run_.run_dir, iteration))
-    path = save_diffusers_lora(policy, adapter, family.pipeline_class, out)
+    context = StageContext(cfg, run_.run_dir, run_id, iteration)
+    try:
+        checkpoint = Checkpoint.load(run_.run_dir, iteration)
+    except StageNotCommitted:
+        _fail(
+            f"run {run_id}: the checkpoint of iteration {iteration} fails verification (a file changed since it "
+            f"was committed); `solrl resume {run_id} --store {store}` recomputes it"
+        )
+    policy = context.load_policy(checkpoint, encode_prompts=False)
+    try:
+        path = save_diffusers_lora(policy, adapter, family.pipeline_class, out)
+    except OSError as exc:
+        _fail(f"--out {out}: cannot write the LoRA there ({exc.strerror or exc})")
     typer.echo(
         f"{adapter} LoRA of run {run_id} iteration {iteration} written to {path}\n"
         f"  load it with {family.pipeline_class}.from_pretrained(...).load_lora_weights({str(out)!r})"

@@ -253,7 +253,7 @@ class RunConfig(_Section):
     campaign: CampaignConfig = CampaignConfig()
 
     @model_validator(mode="after")
-    def _cross_field_rules(self) -> RunConfig:
+    def _cross_field_rules(self, info: ValidationInfo) -> RunConfig:
         if not all(0 <= b < 1 for b in self.train.betas):
             raise ValueError(
                 f"train.betas={list(self.train.betas)} must both be in [0, 1); AdamW's default is [0.9, 0.999]"
@@ -279,7 +279,10 @@ class RunConfig(_Section):
             )
         if not self.reward.weights:
             raise ValueError("reward.weights is empty; give at least one reward, e.g. {digit_alignment: 1.0}")
-        # Plug-in names, then each plug-in's own rules (pure: nothing here looks at the machine).
+        # Plug-in names, then each plug-in's own rules (pure: nothing here looks at the machine). A stored run is
+        # read without them (context plugins=False): its plug-ins may not be installed where it is reported.
+        if info.context and info.context.get("plugins") is False:
+            return self
         from solrl.registry import EXPLORE_BACKENDS, LOSSES, MODELS, REWARDS
 
         _registered(MODELS, self.model.family, "model.family").validate_config(self)
@@ -464,10 +467,14 @@ def load_config(source: str | Path | None = None, overrides: list[str] | None = 
     return validate_config(data)
 
 
-def validate_config(data: dict[str, Any]) -> RunConfig:
-    """Validate a config mapping (e.g. ``run.json``'s) into a RunConfig; ConfigError on failure."""
+def validate_config(data: dict[str, Any], *, plugins: bool = True) -> RunConfig:
+    """Validate a config mapping (e.g. ``run.json``'s) into a RunConfig; ConfigError on failure.
+
+    ``plugins=False`` checks the schema only, not the plug-in names and rules: for reading a stored run on a
+    machine that lacks some of its plug-ins (``ls``, ``report``); ``check_runnable`` checks them before work.
+    """
     try:
-        cfg = RunConfig.model_validate(data)
+        cfg = RunConfig.model_validate(data, context={"plugins": plugins})
     except ValidationError as exc:
         raise ConfigError(_format_validation_error(exc)) from None
     return cfg

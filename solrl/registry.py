@@ -34,7 +34,13 @@ def _load_entry_point_plugins() -> None:
         return
     _plugins_loaded = True
     for entry in entry_points(group=PLUGIN_GROUP):
-        entry.load()
+        try:
+            entry.load()
+        except Exception as exc:  # a broken third-party plug-in: name it instead of a traceback
+            raise ValueError(
+                f"plug-in entry point {entry.name} = {entry.value} ({PLUGIN_GROUP}) failed to import: "
+                f"{exc.__class__.__name__}: {exc}"
+            ) from exc
 
 
 class Registry(Generic[T]):

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from solrl.config import RunConfig
-from solrl.stages.models import load_model, resolve_device
+from solrl.stages.models import ModelAdapter, load_model, resolve_device
 from solrl.stages.models.policy import ADAPTERS, Policy
 from solrl.stages.sampling.samplers import derive_seed
 from solrl.storage.artifacts import CheckpointArtifact
@@ -66,27 +66,23 @@ class StageContext:
             return None
         return [train.metadata[int(i)] for i in prompt_index for _ in range(repeat)]
 
-    def load_policy(self, checkpoint: CheckpointArtifact | None) -> Policy:
+    def load_policy(self, checkpoint: CheckpointArtifact | None, *, encode_prompts: bool = True) -> Policy:
         """The model with policy/rollout/EMA adapters as of ``checkpoint`` (None: the base model's fresh LoRA).
 
         The model is loaded once per process and run and kept (for a SANA-size model, loading dominates a
         stage); the run's training and evaluation prompts are encoded once (cached in the run store, under
         ``prompt_embeddings/``) and the text encoders released. Every call sets all three adapters from the
         checkpoint (or the fresh LoRA init), so no state leaks from one stage to the next, and the quantized
-        explore copy is then synced in place.
+        explore copy is then synced in place. ``encode_prompts=False`` skips the prompt embeddings (to export a
+        LoRA, nothing is sampled).
         """
         key = (self.cfg.model.model_dump_json(), self.cfg.campaign.seed, str(self.device), str(self.run_dir))
         policy = _POLICIES.get(key)
         if policy is None:
             _POLICIES.clear()  # one model in memory at a time
             model = load_model(self.cfg.model, self.device)
-            prompts = self.cfg.train_prompts() + self.cfg.eval_prompts()
-            digest = hashlib.sha256(
-                json.dumps([self.cfg.model.model_dump(mode="json"), sorted(set(prompts))], sort_keys=True).encode()
-            ).hexdigest()[:16]
-            model.precompute(
-                prompts, self.run_dir / PROMPT_EMBEDDINGS / f"{self.cfg.model.family}-{digest}.safetensors"
-            )
+            if encode_prompts:
+                self._encode_prompts(model)
             policy = _POLICIES[key] = Policy(
                 model,
                 self.cfg.model.lora_rank,
@@ -96,3 +92,11 @@ class StageContext:
         for name in ADAPTERS:
             policy.load_state_dict(name, checkpoint.sections[name] if checkpoint else policy.initial_state)
         return policy
+
+    def _encode_prompts(self, model: ModelAdapter) -> None:
+        """Encode the run's prompts once, cached in the run store under a name from the model config (its
+        device excluded: the embeddings do not depend on it) and the prompts; then release the text encoders."""
+        prompts = self.cfg.train_prompts() + self.cfg.eval_prompts()
+        config = self.cfg.model.model_dump(mode="json", exclude={"device"})
+        digest = hashlib.sha256(json.dumps([config, sorted(set(prompts))], sort_keys=True).encode()).hexdigest()[:16]
+        model.precompute(prompts, self.run_dir / PROMPT_EMBEDDINGS / f"{self.cfg.model.family}-{digest}.safetensors")

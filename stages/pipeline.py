@@ -132,12 +132,12 @@ def run_stage(ctx: StageContext, name: str) -> tuple[StageManifest, bool]:
 
 
 def first_pending(ctx0: StageContext) -> tuple[int, str] | None:
-    """The first (iteration, stage) of the campaign plan whose committed output is missing or stale; None when
-    the whole campaign is committed. ``ctx0`` is the run's context at iteration 0."""
+    """The first (iteration, stage) of the campaign plan whose committed output is missing, stale or fails its
+    checksums; None when the whole campaign is committed. ``ctx0`` is the run's context at iteration 0."""
     for iteration, names in campaign_plan(ctx0.cfg):
         ctx = replace(ctx0, iteration=iteration)
         for name in names:
-            manifest = read_manifest(ctx.run_dir, iteration, name)
+            manifest = read_manifest(ctx.run_dir, iteration, name, verify=True)
             if manifest is None or manifest.inputs_hash != stage_key(ctx, STAGES[name]):
                 return iteration, name
     return None

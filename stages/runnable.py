@@ -3,7 +3,7 @@ flow), never by the config schema, so any machine can list, inspect and report a
 
 from __future__ import annotations
 
-from solrl.config import ConfigError, RunConfig
+from solrl.config import ConfigError, RunConfig, validate_config
 from solrl.registry import EXPLORE_BACKENDS, REWARDS
 from solrl.stages.models import model_family, resolve_device
 from solrl.stages.quant.availability import runnable_precisions
@@ -20,6 +20,7 @@ def check_runnable(cfg: RunConfig, prompts_sha256: str | None = None) -> None:
     Raises:
         ConfigError: one line naming what is missing and the fix.
     """
+    validate_config(cfg.model_dump(mode="json"))  # the plug-ins, which reading a stored run skips
     model_family(cfg.model).check_runnable(cfg.model)
     resolve_device(cfg.model.device)
     reason = EXPLORE_BACKENDS.get(cfg.explore.precision).unavailable_reason()

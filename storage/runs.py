@@ -102,7 +102,7 @@ def open_run(root: str | Path, run_id: str) -> Run:
         raise ConfigError(f"{run_dir / RUN_FILE} is not a solrl run file (no config and config_hash)")
     if config_digest(data["config"]) != data.get("config_hash"):
         raise ConfigError(f"{run_dir / RUN_FILE}: config does not match its recorded hash; the file was edited")
-    cfg = validate_config(data["config"])
+    cfg = validate_config(data["config"], plugins=False)
     return Run(run_id, run_dir, cfg, data["config_hash"], data.get("prompts_sha256"))
 
 

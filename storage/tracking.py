@@ -47,6 +47,27 @@ def _store_lock(root: Path) -> Iterator[None]:
         os.close(fd)
 
 
+def _create_sqlite_store(uri: str) -> None:
+    """Create a new sqlite tracking database atomically: MLflow builds its schema in a temporary file, which is
+    renamed into place once complete, so a process killed while the tables are created leaves no half-migrated
+    database that every later run would trip over. An existing database (or another backend) is left alone.
+    The caller holds the store lock."""
+    if not uri.startswith("sqlite:///"):
+        return
+    path = Path(uri.removeprefix("sqlite:///"))
+    if path.exists():
+        return
+    import mlflow
+
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    try:
+        mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp}").search_experiments()  # creates and migrates the schema
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def _git_commit() -> str | None:
     """The commit of the solrl checkout this code runs from, when it is one (provenance); else None."""
     try:
@@ -83,12 +104,13 @@ class Tracker:
         self._mlflow = mlflow
         root = run_dir.parent.resolve()
         self.uri = tracking_uri(cfg, root)
-        # A client bound to this URI, never mlflow.set_tracking_uri: that sets MLFLOW_TRACKING_URI for the whole
-        # process, and every later run in it (another store) would then log into this store's database.
-        client = mlflow.MlflowClient(tracking_uri=self.uri)
         # One process at a time creates the sqlite schema and the experiment (two runs starting together in
-        # a new store otherwise race on MLflow's table creation).
+        # a new store otherwise race on MLflow's table creation and migrations).
         with _store_lock(root):
+            _create_sqlite_store(self.uri)
+            # A client bound to this URI, never mlflow.set_tracking_uri: that sets MLFLOW_TRACKING_URI for the
+            # whole process, and every later run in it (another store) would then log into this store's database.
+            client = mlflow.MlflowClient(tracking_uri=self.uri)
             experiment = client.get_experiment_by_name(cfg.tracking.experiment)
             if experiment is None:
                 artifacts = (root / "mlartifacts").as_uri() if self.uri.startswith("sqlite:") else None

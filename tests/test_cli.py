@@ -91,3 +91,67 @@ def test_a_run_made_on_a_gpu_machine_lists_and_reports_here_but_does_not_continu
     assert resumed.exit_code == 2 and ("cannot run here" in resumed.stderr or "no CUDA device" in resumed.stderr)
     assert len([ln for ln in resumed.stderr.splitlines() if ln.strip()]) == 1
     assert sorted(p.name for p in run.run_dir.rglob("*")) == before  # nothing written
+
+
+def _committed_run(tmp_path: Path, run_id: str = "r"):
+    from conftest import tiny_config
+
+    from solrl.stages.context import StageContext
+    from solrl.stages.pipeline import run_stage
+    from solrl.storage.runs import create_run
+
+    cfg = tiny_config(tmp_path / "store")
+    run = create_run(cfg, run_id)
+    run_stage(StageContext(cfg, run.run_dir, run.run_id, 0), "evaluate")
+    return run
+
+
+def test_a_run_whose_plugin_is_not_installed_here_lists_and_reports_but_does_not_continue(tmp_path: Path):
+    import json
+
+    from solrl.config import config_digest
+
+    run = _committed_run(tmp_path)
+    data = json.loads((run.run_dir / "run.json").read_text())
+    data["config"]["reward"]["weights"] = {"brightness": 1.0}  # a third-party reward absent from this machine
+    data["config_hash"] = config_digest(data["config"])
+    (run.run_dir / "run.json").write_text(json.dumps(data))
+    store = str(run.run_dir.parent)
+    assert runner.invoke(app, ["ls", "--store", store]).exit_code == 0
+    reported = runner.invoke(app, ["report", "r", "--store", store])
+    assert reported.exit_code == 0, reported.output
+    resumed = runner.invoke(app, ["resume", "r", "--store", store])
+    assert resumed.exit_code == 2 and "unknown reward 'brightness'" in resumed.stderr
+
+
+def test_resume_of_a_run_another_process_holds_is_refused_before_anything_starts(tmp_path: Path):
+    from solrl.storage.runs import run_lock
+
+    run = _committed_run(tmp_path)
+    with run_lock(run.run_dir):
+        result = runner.invoke(app, ["resume", "r", "--store", str(run.run_dir.parent)])
+    assert result.exit_code == 2 and "is being written by another process" in result.stderr
+    assert "resuming" not in result.stdout
+
+
+def test_a_committed_file_changed_in_place_is_pending_again(tmp_path: Path):
+    from solrl.stages.context import StageContext
+    from solrl.stages.pipeline import first_pending
+    from solrl.storage.stage import stage_dir
+
+    run = _committed_run(tmp_path)
+    ctx0 = StageContext(run.config, run.run_dir, run.run_id, 0, run.config_hash)
+    assert first_pending(ctx0) == (1, "explore")
+    table = stage_dir(run.run_dir, 0, "evaluate") / "metrics.parquet"
+    data = bytearray(table.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, different bytes
+    table.write_bytes(bytes(data))
+    assert first_pending(ctx0) == (0, "evaluate")
+
+
+def test_bad_output_paths_are_one_line_errors(tmp_path: Path):
+    run = _committed_run(tmp_path)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    result = runner.invoke(app, ["report", "r", "--store", str(run.run_dir.parent), "--plot", str(blocker / "x.png")])
+    assert result.exit_code == 2 and "--plot" in result.stderr and "cannot write the PNG there" in result.stderr

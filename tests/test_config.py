@@ -40,6 +40,12 @@ def test_config_is_frozen_and_hash_changes_with_values():
         (["explore.precision=fp3"], r"explore.precision: unknown explore precision 'fp3'; registered: bf16, fp8,"),
         (["model.family=sdxl"], r"model.family: unknown model family 'sdxl'; registered: .*tiny-digits"),
         (["train.loss=dpo"], r"train.loss: unknown loss 'dpo'; registered: flow_grpo, nft"),
+        (
+            ["model.family=tiny-sana", "model.resolution=33"],
+            r"model.resolution=33 must be a multiple of 2 for tiny-sana",
+        ),
+        (["model.family=sana", "model.resolution=1000"], r"model.resolution=1000 must be a multiple of 32 for sana"),
+        (["model.family=tiny-flux", "model.max_sequence_length=100000"], r"exceeds the 512 tokens tiny-flux's text"),
         (["explore.pool_sise=8"], r"explore.pool_sise: unknown key; known keys here: precision, steps, pool_size,"),
         (["bogus.key=1"], r"bogus: unknown key; known keys here: name, model, explore, select,"),
         (["explore.steps=0"], r"explore.steps: Input should be greater than or equal to 1"),

@@ -145,7 +145,7 @@ def test_a_real_preset_without_its_weights_exits_2_naming_the_path_and_where_the
 ):
     result = CliRunner().invoke(app, ["run", preset, "--set", f"storage.root={tmp_path / 'store'}"])
     assert result.exit_code == 2, result.output
-    assert "model_index.json is missing" in result.stderr and where in result.stderr
+    assert "not a local folder and not in the Hugging Face cache" in result.stderr and where in result.stderr
     assert not (tmp_path / "store").exists()
 
 
@@ -169,3 +169,18 @@ def test_prompt_embeddings_are_cached_once_and_a_corrupt_cache_is_recomputed(tmp
     third.precompute(prompts, cache)  # recomputed, and the cache rewritten
     torch.testing.assert_close(third.encode(prompts)["emb"], first.encode(prompts)["emb"])
     assert set(load_file(cache)) == {f"{i}/{name}" for i in range(2) for name in ("emb", "pooled")}
+
+
+def test_a_tiny_family_whose_cache_cannot_be_written_is_refused_before_any_run(tmp_path: Path, monkeypatch):
+    from solrl.config import ConfigError
+    from solrl.stages.runnable import check_runnable
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("SOLRL_CACHE", str(blocker / "cache"))
+    with pytest.raises(
+        ConfigError,
+        match=r"built on first use in .*a-file/cache/models/tiny-flux-v1, which cannot be "
+        r"written .*set SOLRL_CACHE",
+    ):
+        check_runnable(_config("tiny-flux", tmp_path / "runs"))

@@ -93,6 +93,8 @@ def test_checkpoint_stage_and_solrl_export_write_a_loadable_lora(tmp_path: Path,
     assert result.exit_code == 0, result.output
     assert f"iteration 1 written to {tmp_path / 'out' / LORA_WEIGHTS}" in result.stdout
     torch.testing.assert_close(load_file(tmp_path / "out" / LORA_WEIGHTS), load_file(in_checkpoint / LORA_WEIGHTS))
+    assert (tmp_path / "out" / LORA_WEIGHTS).read_bytes() == (in_checkpoint / LORA_WEIGHTS).read_bytes()
+    assert len(list((run.run_dir / "prompt_embeddings").iterdir())) == 1  # export encoded no prompts
     stock = _stock_transformer_with(in_checkpoint, caplog)
     policy = ctx.load_policy(Checkpoint.load(run.run_dir, 1))
     x, sigma = torch.randn(2, 1, 16, 16), torch.tensor([0.7, 0.3])
@@ -113,3 +115,15 @@ def test_checkpoint_stage_and_solrl_export_write_a_loadable_lora(tmp_path: Path,
             app, ["export", "export", "--out", str(tmp_path / "x"), "--store", str(run.run_dir.parent), *args]
         )
         assert bad.exit_code == 2 and message in bad.stderr, bad.output
+
+
+def test_the_exported_metadata_is_canonical_so_a_redone_checkpoint_keeps_its_bytes(tmp_path: Path):
+    import json
+
+    from safetensors import safe_open
+
+    path = save_diffusers_lora(trained_policy(load_config(), 4, 8.0), "policy", "SanaPipeline", tmp_path)
+    with safe_open(path, "pt") as f:
+        metadata = json.loads(f.metadata()["lora_adapter_metadata"])
+    targets = metadata["transformer.target_modules"]
+    assert targets == sorted(targets) and len(targets) == 6

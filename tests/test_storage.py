@@ -236,3 +236,33 @@ def test_two_runs_in_two_stores_in_one_process_log_to_their_own_mlflow_databases
     for tracker in (first, second):
         experiment = tracker.client.get_experiment_by_name("solrl")
         assert len(tracker.client.search_runs(experiment.experiment_id)) == 1
+
+
+def test_two_processes_starting_runs_in_a_new_store_at_once_both_get_an_mlflow_run(tmp_path: Path):
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from conftest import tiny_config; from solrl.storage.runs import create_run; "
+        "from solrl.storage.tracking import Tracker; "
+        "t = Tracker(create_run(tiny_config(sys.argv[1]), sys.argv[2])); t.finish(); print('ok')"
+    )
+    store = tmp_path / "fresh"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(store), f"r{i}"],
+            cwd=Path(__file__).parent,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    outputs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outputs]
+    import mlflow
+
+    client = mlflow.MlflowClient(f"sqlite:///{store}/mlflow.db")
+    runs = client.search_runs(client.get_experiment_by_name("solrl").experiment_id)
+    assert sorted(r.info.run_name for r in runs) == ["r0", "r1"] and {r.info.status for r in runs} == {"FINISHED"}
+    assert not list(store.glob(".mlflow.db.tmp-*"))

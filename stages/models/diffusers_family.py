@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from solrl.config import ConfigError, ModelConfig
+from solrl.config import ConfigError, ModelConfig, RunConfig
 from solrl.stages.models.adapter import ModelAdapter
 
 #: ``org/name``: a Hugging Face hub id rather than a local folder.
@@ -57,7 +57,11 @@ class DiffusersFamily(ModelAdapter):
     #: Published weights (a hub id), named in the missing-weights error.
     hub_id: ClassVar[str] = ""
     default_resolution: ClassVar[int]
+    #: Pixels per latent token along a side for the published VAE and patch size: resolutions are multiples.
+    resolution_multiple: ClassVar[int]
     default_max_sequence_length: ClassVar[int]
+    #: The most text tokens the text encoder was trained for.
+    max_sequence_length_limit: ClassVar[int]
     #: Pipeline attributes holding the text encoders (released after the prompts are encoded).
     text_encoder_names: ClassVar[tuple[str, ...]] = ("text_encoder",)
 
@@ -67,6 +71,21 @@ class DiffusersFamily(ModelAdapter):
     guidance: float = 1.0
 
     # -- class level ---------------------------------------------------------------------------------------------
+    @classmethod
+    def validate_config(cls, cfg: RunConfig) -> None:
+        resolution, multiple = cfg.model.resolution or cls.default_resolution, cls.resolution_multiple
+        if resolution % multiple:
+            raise ValueError(
+                f"model.resolution={resolution} must be a multiple of {multiple} for {cls.name} (VAE downsampling "
+                f"x patch size); e.g. {max(multiple, resolution // multiple * multiple)}"
+            )
+        length, limit = cfg.model.max_sequence_length, cls.max_sequence_length_limit
+        if length is not None and length > limit:
+            raise ValueError(
+                f"model.max_sequence_length={length} exceeds the {limit} tokens {cls.name}'s text encoder takes; "
+                f"set at most {limit} (null = {cls.default_max_sequence_length})"
+            )
+
     @classmethod
     def weights_dir(cls, cfg: ModelConfig) -> Path:
         """``model.path`` as a local folder; a hub id resolves to the local hub cache (never downloaded here
@@ -87,16 +106,35 @@ class DiffusersFamily(ModelAdapter):
             return local
 
     @classmethod
+    def _hub_download(cls, cfg: ModelConfig) -> bool:
+        """Whether ``model.path`` is a hub id that is neither a local folder nor in the hub cache (then
+        ``from_pretrained`` downloads it, when ``HF_HUB_OFFLINE`` allows)."""
+        return bool(cfg.path) and _HUB_ID.match(cfg.path) is not None and not cls.weights_dir(cfg).exists()
+
+    @classmethod
     def required_files(cls, cfg: ModelConfig) -> tuple[str, ...]:
         return ("model_index.json", "transformer/config.json", "vae/config.json")
+
+    @classmethod
+    def check_runnable(cls, cfg: ModelConfig) -> None:
+        """The weights files (locally or in the hub cache); a hub id not cached is fine only when online."""
+        if cls._hub_download(cfg):
+            if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
+                raise ConfigError(
+                    f"model.path={cfg.path}: not a local folder and not in the Hugging Face cache, and "
+                    f"HF_HUB_OFFLINE=1 (solrl's default) forbids downloading; download it first or set "
+                    f"HF_HUB_OFFLINE=0 to let diffusers fetch it; weights: {cls.weights_hint}"
+                )
+            return
+        super().check_runnable(cfg)
 
     @classmethod
     def load(cls, cfg: ModelConfig, device: torch.device) -> DiffusersFamily:
         import diffusers
 
         quiet_loading()
-        root = cls.weights_dir(cfg)
-        pipe = getattr(diffusers, cls.pipeline_class).from_pretrained(root, dtype=weights_dtype(device))
+        source = cfg.path if cls._hub_download(cfg) else cls.weights_dir(cfg)  # a hub id downloads (online only)
+        pipe = getattr(diffusers, cls.pipeline_class).from_pretrained(source, dtype=weights_dtype(device))
         pipe.set_progress_bar_config(disable=True)
         pipe.to(device)
         pipe.transformer.eval().requires_grad_(False)
@@ -196,7 +234,20 @@ class TinyFamily:
 
     @classmethod
     def check_runnable(cls, cfg: ModelConfig) -> None:
-        """Nothing to check: a missing tiny model is built by ``load``."""
+        """A missing tiny model is built by ``load``: its cache folder must then be creatable (it is created
+        here, before any run is)."""
+        out = cls.weights_dir(cfg)
+        if (out / "model_index.json").exists():
+            return
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            probe = Path(tempfile.mkdtemp(prefix=".probe-", dir=out.parent))
+            probe.rmdir()
+        except OSError as exc:
+            raise ConfigError(
+                f"the tiny model {cls.name} is built on first use in {out}, which cannot be written "  # type: ignore[attr-defined]
+                f"({exc.strerror or exc}); set SOLRL_CACHE (or model.path) to a writable folder"
+            ) from None
 
     @classmethod
     def load(cls, cfg: ModelConfig, device: torch.device) -> DiffusersFamily:

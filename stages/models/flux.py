@@ -37,6 +37,8 @@ class Flux(DiffusersFamily):
     nvfp4_skip: ClassVar[tuple[str, ...]] = ("x_embedder", "context_embedder", "time_text_embed", "norm_out")
     default_resolution: ClassVar[int] = 512
     default_max_sequence_length: ClassVar[int] = 512
+    resolution_multiple: ClassVar[int] = 16
+    max_sequence_length_limit: ClassVar[int] = 512
     text_encoder_names: ClassVar[tuple[str, ...]] = ("text_encoder", "text_encoder_2")
 
     @classmethod
@@ -110,6 +112,7 @@ class TinyFlux(TinyFamily, Flux):
 
     name: ClassVar[str] = "tiny-flux"
     default_resolution: ClassVar[int] = 32
+    resolution_multiple: ClassVar[int] = 4  # the tiny VAE downsamples by 2
     default_max_sequence_length: ClassVar[int] = 16
 
     @classmethod

@@ -42,7 +42,11 @@ def save_diffusers_lora(policy: Policy, adapter: str, pipeline_class: str, out: 
     if adapter not in policy.transformer.peft_config:
         raise KeyError(f"no adapter {adapter!r}; the policy has {sorted(policy.transformer.peft_config)}")
     state = get_peft_model_state_dict(policy.transformer, adapter_name=adapter)
-    metadata = policy.transformer.peft_config[adapter].to_dict()
+    # Sets (target_modules) in a canonical order, so the same adapter always writes the same bytes (a redone
+    # checkpoint keeps its digest, and nothing downstream is recomputed).
+    metadata = {
+        k: sorted(v) if isinstance(v, set) else v for k, v in policy.transformer.peft_config[adapter].to_dict().items()
+    }
     out.mkdir(parents=True, exist_ok=True)
     getattr(diffusers, pipeline_class).save_lora_weights(
         out, transformer_lora_layers=state, transformer_lora_adapter_metadata=metadata

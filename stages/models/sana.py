@@ -43,6 +43,8 @@ class Sana(DiffusersFamily):
     )
     default_resolution: ClassVar[int] = 1024
     default_max_sequence_length: ClassVar[int] = 300
+    resolution_multiple: ClassVar[int] = 32
+    max_sequence_length_limit: ClassVar[int] = 1024
     #: Prepend SANA's complex human instruction to every prompt (SanaPipeline's default).
     complex_human_instruction: ClassVar[bool] = True
 
@@ -84,6 +86,7 @@ class TinySana(TinyFamily, Sana):
 
     name: ClassVar[str] = "tiny-sana"
     default_resolution: ClassVar[int] = 32
+    resolution_multiple: ClassVar[int] = 2  # the tiny VAE downsamples by 2
     default_max_sequence_length: ClassVar[int] = 16
 
     @classmethod

@@ -50,6 +50,8 @@ class SD3(DiffusersFamily):
     )
     default_resolution: ClassVar[int] = 1024
     default_max_sequence_length: ClassVar[int] = 256
+    resolution_multiple: ClassVar[int] = 16
+    max_sequence_length_limit: ClassVar[int] = 512
     text_encoder_names: ClassVar[tuple[str, ...]] = ("text_encoder", "text_encoder_2", "text_encoder_3")
 
     def _encode(self, prompts: list[str]) -> Conditioning:
@@ -85,6 +87,7 @@ class TinySD3(TinyFamily, SD3):
 
     name: ClassVar[str] = "tiny-sd3"
     default_resolution: ClassVar[int] = 32
+    resolution_multiple: ClassVar[int] = 4  # the tiny VAE downsamples by 2
     default_max_sequence_length: ClassVar[int] = 16
 
     @classmethod

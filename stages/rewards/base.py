@@ -164,7 +164,10 @@ def build_reward(name: str, device: torch.device | str = "cpu", options: dict[st
 
             _LOADED[key] = RemoteReward(name, validated)
         else:
-            _LOADED[key] = REWARDS.get(name)(validated, device)
+            reward_class = REWARDS.get(name)
+            if not getattr(reward_class, "name", None):  # a plug-in that did not set it: its registered name
+                reward_class.name = name
+            _LOADED[key] = reward_class(validated, device)
     return _LOADED[key]
 
 
