@@ -67,6 +67,8 @@ def _report(store: str, run_id: str) -> None:
     typer.echo(
         f"\nrun {run_id} finished; results in {run.run_dir}\n"
         f"  per-iteration stages: {run.run_dir}/iter_*/<stage>/ (Zarr pools, Parquet tables, checkpoint)\n"
+        f"  table:      solrl report {run_id} --store {run.run_dir.parent}\n"
+        f"  LoRA:       solrl export {run_id} --store {run.run_dir.parent} --out <folder>\n"
         f"  MLflow UI:  mlflow ui --backend-store-uri {uri}\n"
         f"  Prefect UI: PREFECT_HOME={prefect_home} prefect server start   (then http://127.0.0.1:4200)"
     )
