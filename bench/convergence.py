@@ -32,7 +32,7 @@ from solrl.storage.runs import create_run
 
 PRESETS = ("sol-rl", "bf16-scaling", "naive-fp4", "diffusionnft", "sol-rl-flow-grpo", "flow-grpo")
 TRAIN_STAGES = ("explore", "score_explore", "select", "regenerate", "score_regenerate", "update", "checkpoint")
-EVALS = ("eval/digit_alignment", "eval/digit_evaluator", "eval/diversity")
+EVALS = ("eval/digit_alignment", "eval/digit_evaluator", "eval/diversity", "eval/grid_energy")
 
 
 def stage_columns(frame: pd.DataFrame) -> list[str]:
@@ -86,9 +86,10 @@ def plot(frame: pd.DataFrame, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig = plt.figure(figsize=(5 * len(EVALS), 10.5))
-    grid = fig.add_gridspec(3, len(EVALS))
-    for col, metric in enumerate(EVALS):
+    shown = [m for m in EVALS if m in frame]  # CSVs of earlier runs lack the grid energy
+    fig = plt.figure(figsize=(5 * len(shown), 10.5))
+    grid = fig.add_gridspec(3, len(shown))
+    for col, metric in enumerate(shown):
         by_iteration, by_seconds = fig.add_subplot(grid[0, col]), fig.add_subplot(grid[1, col])
         for preset, group in frame.groupby("preset", sort=False):
             stats = group.groupby("iteration")[metric].agg(["mean", "std"]).reset_index()
@@ -139,11 +140,12 @@ def report(frame: pd.DataFrame, target: float) -> str:
         f"tiny-digits, {iterations} iterations, seeds {seeds}; mean +- std over seeds; machine: "
         f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
         "",
-        f"| preset | runs | alignment | evaluator | diversity | train s / iteration | train s to evaluator "
-        f">= {target} (runs reaching it) |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
-        f"| start (iteration 0) | {first.seed.nunique()} | {fmt(first[EVALS[0]])} | {fmt(first[EVALS[1]])} | "
-        f"{fmt(first[EVALS[2]])} | | |",
+        f"| preset | runs | alignment | evaluator | diversity | grid energy | train s / iteration | train s to "
+        f"evaluator >= {target} (runs reaching it) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        f"| start (iteration 0) | {first.seed.nunique()} | "
+        + " | ".join(fmt(first[m]) if m in first else "n/a" for m in EVALS)
+        + " | | |",
     ]
     for preset in presets:
         rows, runs = last[last.preset == preset], frame[frame.preset == preset]
@@ -155,8 +157,9 @@ def report(frame: pd.DataFrame, target: float) -> str:
             else f"never (0/{len(reach)})"
         )
         lines.append(
-            f"| {preset} | {len(rows)} | {fmt(rows[EVALS[0]])} | {fmt(rows[EVALS[1]])} | "
-            f"{fmt(rows[EVALS[2]])} | {per_iter.mean():.2f} | {reached} |"
+            f"| {preset} | {len(rows)} | "
+            + " | ".join(fmt(rows[m]) if m in rows else "n/a" for m in EVALS)
+            + f" | {per_iter.mean():.2f} | {reached} |"
         )
     split = stage_split(frame)
     lines += [

@@ -172,12 +172,13 @@ def report(
     frame = collect_metrics(run_.run_dir, tuple(s.name for s in ITERATION))
     if frame.empty:
         _fail(f"run {run_id} has no committed stage yet")
-    evaluations = sorted(c for c in frame if c.startswith("eval/") and c != "eval/diversity")  # every reward
+    guards = ("eval/diversity", "eval/grid_energy")
+    evaluations = sorted(c for c in frame if c.startswith("eval/") and c not in guards)  # every reward
     columns = [
         c
         for c in (
             *evaluations,
-            "eval/diversity",
+            *guards,
             "explore/reward_mean",
             "regenerate/reward_mean",
             "fidelity/spearman",

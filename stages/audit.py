@@ -14,6 +14,7 @@ import pandas as pd
 
 from solrl.stages.context import StageContext
 from solrl.stages.metrics.fidelity import pool_agreement
+from solrl.stages.metrics.grid_artifacts import grid_energy
 from solrl.stages.metrics.selection import pool_ranks
 from solrl.stages.quant.backends import rollout_network
 from solrl.stages.sampling.rollout import generate
@@ -49,7 +50,8 @@ def audit(
             sde_window=ctx.cfg.regenerate.sde_window,
         ).samples
     metadata = ctx.train_metadata(pool.prompt_index[:A], N)
-    values = score_images(ctx, policy.model.decode(samples), prompts, ctx.cfg.reward.weights, metadata)
+    images = policy.model.decode(samples)
+    values = score_images(ctx, images, prompts, ctx.cfg.reward.weights, metadata)
     bf16 = sum(v * ctx.cfg.reward.weights[name] for name, v in values.items()).reshape(A, N)
     AuditPool(
         pd.DataFrame(
@@ -66,7 +68,10 @@ def audit(
         )
     ).write(out)
     agreement = pool_agreement(explore, bf16, ctx.cfg.select.k)
+    metrics = {f"audit/{key}": value for key, value in agreement.items()}
+    if policy.model.grid_period >= 2:  # of the BF16 regenerations of whole pools
+        metrics["audit/grid_energy"] = float(grid_energy(images, policy.model.grid_period).mean())
     return StageOutput(
-        metrics={f"audit/{key}": value for key, value in agreement.items()},
+        metrics=metrics,
         info={"prompts": A, "pool_size": N, "precision": pool.attrs["precision"]},
     )

@@ -11,6 +11,7 @@ import pandas as pd
 from solrl.stages.context import StageContext
 from solrl.stages.metrics.diversity import pairwise_diversity
 from solrl.stages.metrics.grid import save_grid
+from solrl.stages.metrics.grid_artifacts import grid_energy
 from solrl.stages.quant.backends import rollout_network
 from solrl.stages.sampling.rollout import generate
 from solrl.stages.sampling.samplers import derive_seed
@@ -21,6 +22,9 @@ from solrl.storage.stage import StageOutput, read_manifest
 #: Warn when sample diversity falls below this fraction of the starting policy's: the training reward is
 #: likely being gamed (DESIGN 5 saw ~30% lower diversity in visibly blurrier samples at a high reward).
 DIVERSITY_WARN_FRACTION = 0.7
+#: Warn when the grid-artifact energy grows past this multiple of the starting policy's (a texture at the
+#: patch period that the reward does not penalise; a 5/255 checkerboard on tiny-digits is about 20x).
+GRID_WARN_FACTOR = 3.0
 GRID = "samples.png"
 
 
@@ -75,6 +79,8 @@ def evaluate(ctx: StageContext, out: Path, trained: TrainedPolicy | None) -> Sta
     save_grid(grid, out / GRID, row_labels=prompts)
     metrics = {f"eval/{name}": float(v.mean()) for name, v in values.items()}
     metrics["eval/diversity"] = pairwise_diversity(grid)
+    if policy.model.grid_period >= 2:
+        metrics["eval/grid_energy"] = float(grid_energy(images, policy.model.grid_period).mean())
     warnings = []
     start = read_manifest(ctx.run_dir, 0, "evaluate") if ctx.iteration > 0 else None
     if start is not None and metrics["eval/diversity"] < DIVERSITY_WARN_FRACTION * start.metrics["eval/diversity"]:
@@ -82,5 +88,11 @@ def evaluate(ctx: StageContext, out: Path, trained: TrainedPolicy | None) -> Sta
         warnings.append(
             f"sample diversity {metrics['eval/diversity']:.4f} is {drop:.0%} below the starting "
             f"policy's: the training reward may be gamed; look at {GRID} and the other rewards"
+        )
+    grid_now, grid_start = metrics.get("eval/grid_energy"), start.metrics.get("eval/grid_energy") if start else None
+    if grid_now is not None and grid_start and grid_now > GRID_WARN_FACTOR * grid_start:
+        warnings.append(
+            f"grid-artifact energy {grid_now:.4f} is {grid_now / grid_start:.1f}x the starting policy's: the policy "
+            f"may be learning a texture at the {policy.model.grid_period}-pixel patch period; look at {GRID}"
         )
     return StageOutput(metrics=metrics, info={"warnings": warnings})

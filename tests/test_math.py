@@ -213,3 +213,29 @@ def test_dpm2_equals_diffusers_dpm_solver_plus_plus_2m_on_the_same_sigmas():
     assert (euler - x).abs().max() > 1e-3  # second order differs from Euler on a nonlinear field
     with pytest.raises(ValueError, match="unknown ODE solver 'heun'"):
         sample_ode_with("heun")
+
+
+def _smooth_images(n: int = 4, size: int = 32) -> np.ndarray:
+    """Band-limited random grey images in [20, 220], float ``[n, size, size]`` (no energy at the Nyquist)."""
+    rng = np.random.default_rng(0)
+    freq = np.fft.fftfreq(size)
+    lowpass = (np.abs(freq)[:, None] < 0.15) & (np.abs(freq)[None, :] < 0.15)
+    images = np.real(np.fft.ifft2(np.fft.fft2(rng.normal(size=(n, size, size))) * lowpass))
+    return (images - images.min()) / (images.max() - images.min()) * 200 + 20
+
+
+def test_grid_energy_finds_a_checkerboard_at_the_patch_period():
+    from solrl.stages.metrics.grid_artifacts import grid_energy
+
+    smooth = _smooth_images()
+    checker = (np.indices((32, 32)).sum(0) % 2) * 2 - 1  # period 2 in both directions
+    as_rgb = lambda x: np.clip(x, 0, 255).round().astype(np.uint8)[..., None].repeat(3, -1)  # noqa: E731
+    clean, faint, strong = (grid_energy(as_rgb(smooth + a * checker), 2) for a in (0, 5, 20))
+    assert clean.dtype == np.float32 and clean.shape == (4,)
+    assert clean.max() < 0.005 and faint.min() > 5 * clean.max() and strong.min() > 0.2
+    assert (strong > faint).all()
+    assert grid_energy(as_rgb(128 + 50 * checker[None]), 2)[0] == pytest.approx(1.0)  # a pure period-2 pattern
+    stripes = np.broadcast_to((np.arange(32) % 4 < 2) * 100.0 + 50, (1, 32, 32))  # period 4 along x only
+    assert grid_energy(as_rgb(stripes), 4)[0] == pytest.approx(1.0) and grid_energy(as_rgb(stripes), 3)[0] < 0.05
+    with pytest.raises(ValueError, match="period must be >= 2"):
+        grid_energy(as_rgb(smooth), 1)

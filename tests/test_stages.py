@@ -169,7 +169,9 @@ def test_evaluate_logs_every_reward_and_diversity(iteration_one):
         "eval/digit_evaluator",
         "eval/jpeg_compressibility",
         "eval/diversity",
+        "eval/grid_energy",
     }
+    assert 0 <= metrics["eval/grid_energy"] < 1
     assert 0 < metrics["eval/diversity"] < 1
 
 
@@ -320,3 +322,21 @@ def test_group_normalisation_standardises_each_reward_within_its_group_before_we
     np.testing.assert_allclose(rewards.totals(order, "group")[0], standard(a) + 0.5 * standard(b), rtol=1e-5)
     np.testing.assert_array_equal(rewards.totals(order, "group")[1], 0)  # no spread: no signal
     np.testing.assert_allclose(rewards.totals(order)[0], a + 0.5 * b)  # raw weighted sum by default
+
+
+def test_evaluate_warns_when_grid_artifact_energy_grows_past_the_starting_policys(iteration_one):
+    import json
+    import shutil
+
+    from solrl.storage.stage import MANIFEST
+
+    ctx, _ = iteration_one
+    run_stage(StageContext(ctx.cfg, ctx.run_dir, ctx.run_id, 0), "evaluate")  # the starting policy
+    start = stage_dir(ctx.run_dir, 0, "evaluate") / MANIFEST
+    data = json.loads(start.read_text())
+    data["metrics"]["eval/grid_energy"] = 1e-9  # as if the starting policy drew no grid at all
+    start.write_text(json.dumps(data))
+    shutil.rmtree(stage_dir(ctx.run_dir, 1, "evaluate"))
+    manifest, skipped = run_stage(ctx, "evaluate")
+    assert not skipped
+    assert any("grid-artifact energy" in w and "2-pixel patch period" in w for w in manifest.info["warnings"])

@@ -77,6 +77,8 @@ class ModelAdapter:
     shift: float
     #: ODE solver of every rollout (``model.solver``): ``euler`` or ``dpm2``.
     solver: str = "euler"
+    #: Pixels per latent token along a side (patch size x VAE downsampling): the period of grid artifacts.
+    grid_period: int = 0
     _cache: dict[str, Conditioning] = field(default_factory=dict, init=False, repr=False)
     _released: bool = field(default=False, init=False, repr=False)
 

@@ -151,6 +151,7 @@ class DiffusersFamily(ModelAdapter):
             latent_shape=cls.latent_shape_of(pipe, resolution),
             shift=cfg.sampler_shift,
             solver=cfg.solver,
+            grid_period=factor,
             pipe=pipe,
             resolution=resolution,
             max_sequence_length=cfg.max_sequence_length or cls.default_max_sequence_length,

@@ -229,6 +229,7 @@ class TinyDigits(ModelAdapter):
             latent_shape=(1, IMAGE_SIZE, IMAGE_SIZE),
             shift=cfg.sampler_shift,
             solver=cfg.solver,
+            grid_period=int(transformer.config.patch_size),  # pixel space: no VAE
             text_encoder=text_encoder,
         )
 
