@@ -324,7 +324,7 @@ def test_group_normalisation_standardises_each_reward_within_its_group_before_we
     np.testing.assert_allclose(rewards.totals(order)[0], a + 0.5 * b)  # raw weighted sum by default
 
 
-def test_evaluate_warns_when_grid_artifact_energy_grows_past_the_starting_policys(iteration_one):
+def test_evaluate_warns_when_grid_artifact_energy_grows_past_the_starting_policys(iteration_one, monkeypatch):
     import json
     import shutil
 
@@ -337,6 +337,7 @@ def test_evaluate_warns_when_grid_artifact_energy_grows_past_the_starting_policy
     data["metrics"]["eval/grid_energy"] = 1e-9  # as if the starting policy drew no grid at all
     start.write_text(json.dumps(data))
     shutil.rmtree(stage_dir(ctx.run_dir, 1, "evaluate"))
+    monkeypatch.setattr("solrl.stages.evaluate.GRID_WARN_MIN", 0.0)  # this policy's grid energy is still tiny
     manifest, skipped = run_stage(ctx, "evaluate")
     assert not skipped
     assert any("grid-artifact energy" in w and "2-pixel patch period" in w for w in manifest.info["warnings"])
