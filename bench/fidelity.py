@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import tempfile
 import time
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from solrl.stages.quant.backends import rollout_network
 from solrl.stages.rewards import build_reward
 from solrl.stages.sampling.rollout import generate
 from solrl.stages.sampling.samplers import derive_seed
+from solrl.storage.artifacts import Checkpoint
 
 
 def main() -> None:
@@ -36,39 +38,50 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=10, help="first N evaluation prompts (digits)")
     parser.add_argument("--steps", type=int, nargs="+", default=[2, 4, 6, 8, 10])
     parser.add_argument("--precisions", nargs="+", default=["bf16", "fp8_emulated", "nvfp4_emulated"])
+    parser.add_argument(
+        "--activation-scales",
+        nargs="+",
+        default=["sample"],
+        choices=["sample", "call"],
+        help="emulated precisions: one activation tensor scale per sample, or per forward call",
+    )
+    parser.add_argument("--batch", type=int, default=256, help="samples per forward call")
     parser.add_argument("--ref-steps", type=int, default=10)
     parser.add_argument("--checkpoint", type=Path, default=None, help="a run's checkpoint folder (default: base)")
     parser.add_argument("--out", type=Path, default=None, help="also write the table (markdown) here")
     args = parser.parse_args()
 
     cfg = load_config()
-    ctx = StageContext(cfg, Path("."), "bench", 1)
-    policy, _, _ = ctx.load_policy(args.checkpoint, resume=False)
+    scratch = Path(tempfile.mkdtemp(prefix="solrl-bench-fidelity-"))  # the prompt-embedding cache goes here
+    ctx = StageContext(cfg, scratch, "bench", 1)
+    policy = ctx.load_policy(Checkpoint.read(args.checkpoint) if args.checkpoint else None)
     reward = build_reward("digit_alignment")
     prompts = cfg.eval_prompts()[: args.prompts]
     flat = [p for p in prompts for _ in range(args.pool)]
     seeds = [derive_seed(7, "fidelity-bench", i) for i in range(len(flat))]
 
-    def sample(precision: str, steps: int) -> tuple[np.ndarray, float]:
+    def sample(precision: str, steps: int, scale: str = "sample") -> tuple[np.ndarray, float]:
         start = time.perf_counter()
-        with rollout_network(policy, precision) as net:
-            latents = generate(policy.model, net, flat, seeds, steps, 256, desc=f"{precision} {steps}").samples
+        with rollout_network(policy, precision, 0, scale) as net:
+            latents = generate(policy.model, net, flat, seeds, steps, args.batch, desc=f"{precision} {steps}").samples
         seconds = time.perf_counter() - start
         return reward(policy.model.decode(latents), flat).reshape(len(prompts), args.pool), seconds
 
     reference, ref_seconds = sample("bf16", args.ref_steps)
     header = (
-        "| precision | steps | Kendall tau | Spearman rho | top-4 / 8 / 12 match | bottom-12 false incl. "
+        "| precision | activation scale | steps | Kendall tau | Spearman rho | top-4 / 8 / 12 match "
+        "| bottom-12 false incl. "
         f"| true rank best / worst {args.k // 2} | s (pool) |"
     )
-    lines = [header, "|" + " --- |" * 8]
-    for precision in args.precisions:
+    lines = [header, "|" + " --- |" * 9]
+    runs = [(p, s) for p in args.precisions for s in (args.activation_scales if p.endswith("_emulated") else ["-"])]
+    for precision, scale in runs:
         for steps in args.steps:
-            rewards, seconds = sample(precision, steps)
+            rewards, seconds = sample(precision, steps, scale if scale != "-" else "sample")
             a = pool_agreement(rewards, reference, args.k)
             tops = " / ".join(f"{100 * a.get(f'top{n}_match', float('nan')):.1f}" for n in (4, 8, 12))
             lines.append(
-                f"| {precision} | {steps} | {a['kendall']:.3f} | {a['spearman']:.3f} | {tops}% | "
+                f"| {precision} | {scale} | {steps} | {a['kendall']:.3f} | {a['spearman']:.3f} | {tops}% | "
                 f"{100 * a.get('bottom12_false_inclusion', float('nan')):.1f}% | "
                 f"{a['best_true_rank']:.1f} / {a['worst_true_rank']:.1f} | {seconds:.1f} |"
             )
@@ -78,7 +91,8 @@ def main() -> None:
     )
     notes = (
         f"\ntiny-digits {'base policy' if args.checkpoint is None else args.checkpoint}; {len(prompts)} prompts "
-        f"x pool {args.pool}; reference bf16 (float32 on CPU) {args.ref_steps} steps ({ref_seconds:.1f} s); "
+        f"x pool {args.pool}, {args.batch} samples per forward call; reference bf16 (float32 on CPU) "
+        f"{args.ref_steps} steps ({ref_seconds:.1f} s); "
         f"perfect ranks {a['best_perfect']:.1f} / {a['worst_perfect']:.1f}, random {a['random_rank']:.1f}; "
         f"machine: {machine}"
     )

@@ -104,6 +104,11 @@ class ExploreConfig(_Section):
     pool_size: int = Field(32, ge=2, description="Candidates (seeds) per prompt.")
     batch_size: int = Field(256, ge=1, description="Samples per forward pass.")
     min_dim: int = Field(0, ge=0, description="Layers with max(in, out) <= min_dim stay high precision (Sol-RL rule).")
+    activation_scale: Literal["sample", "call"] = Field(
+        "sample",
+        description="Emulated backends: one activation tensor scale per sample (a candidate does not depend on the "
+        "batch it was sampled in) or per forward call (the whole batch's amax, as Transformer Engine does).",
+    )
 
 
 class SelectConfig(_Section):

@@ -51,7 +51,7 @@ def explore(ctx: StageContext, out: Path, start: StartingPolicy | None) -> Stage
     flat_prompts = [prompts[p] for p in range(P) for _ in range(N)]
     policy.explore_sync_seconds = 0.0
     noise_level = ctx.cfg.sde_noise_level()
-    with rollout_network(policy, precision, cfg.min_dim) as net:
+    with rollout_network(policy, precision, cfg.min_dim, cfg.activation_scale) as net:
         traj = generate(
             policy.model,
             net,

@@ -347,14 +347,21 @@ def _fq(t: torch.Tensor) -> torch.Tensor:
     return nvfp4_fake_quantize(t, tensor_scale=True)
 
 
+def _per_sample(quantize, t: torch.Tensor) -> torch.Tensor:
+    """``quantize`` applied to each sample (leading dim) alone: FakeQuantLinear's default activation scale."""
+    return torch.stack([quantize(sample) for sample in t])
+
+
 def test_fake_quant_linear_equals_linear_of_quantized_activation_and_weight():
     torch.manual_seed(0)
     lin = nn.Linear(64, 48)
     wrapped = FakeQuantLinear(lin)
     x = torch.randn(2, 5, 64)
-    expect = F.linear(_fq(x), _fq(lin.weight.detach()), lin.bias.detach())
+    expect = F.linear(_per_sample(_fq, x), _fq(lin.weight.detach()), lin.bias.detach())
     assert wrapped.format == "nvfp4" and wrapped.module is lin
     assert torch.equal(wrapped(x), expect)
+    per_call = FakeQuantLinear(lin, activation_scale="call")  # one tensor scale for the whole call
+    assert torch.equal(per_call(x), F.linear(_fq(x), _fq(lin.weight.detach()), lin.bias.detach()))
 
 
 def test_fake_quant_linear_bfloat16_keeps_dtype_and_matches_float32_math():
@@ -363,7 +370,7 @@ def test_fake_quant_linear_bfloat16_keeps_dtype_and_matches_float32_math():
     wrapped = FakeQuantLinear(lin)
     assert wrapped.weight_q.dtype == torch.bfloat16  # q * s_b is exact in bf16
     x = torch.randn(3, 32, dtype=torch.bfloat16)
-    expect = F.linear(_fq(x.float()), _fq(lin.weight.float()), lin.bias.float()).to(torch.bfloat16)
+    expect = F.linear(_per_sample(_fq, x.float()), _fq(lin.weight.float()), lin.bias.float()).to(torch.bfloat16)
     out = wrapped(x)
     assert out.dtype == torch.bfloat16 and torch.equal(out, expect)
 
@@ -374,7 +381,7 @@ def test_fake_quant_linear_fp8_equals_linear_of_fp8_operands():
     wrapped = FakeQuantLinear(lin, fmt="fp8")
     x = torch.randn(4, 24)
     w8 = fp8_e4m3_fake_quantize(lin.weight.detach())
-    expect = F.linear(fp8_e4m3_fake_quantize(x), w8, lin.bias.detach())
+    expect = F.linear(_per_sample(fp8_e4m3_fake_quantize, x), w8, lin.bias.detach())
     assert wrapped.format == "fp8" and torch.equal(wrapped(x), expect)
 
 
@@ -383,7 +390,7 @@ def test_conv1x1_wrapper_equals_conv_of_channel_blocked_quantized_operands():
     conv = nn.Conv2d(32, 48, kernel_size=1)
     wrapped = FakeQuantLinear(conv)
     x = torch.randn(2, 32, 5, 3)
-    xq = _fq(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)  # blocks along C, per pixel
+    xq = _per_sample(_fq, x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)  # blocks along C, per pixel
     wq = _fq(conv.weight.detach().reshape(48, 32)).reshape(48, 32, 1, 1)
     expect = F.conv2d(xq, wq, conv.bias.detach())
     out = wrapped(x)
@@ -416,7 +423,7 @@ def test_requantize_after_weight_change_changes_output_in_place():
     after = wrapped(x)
     assert wrapped.weight_q is buf  # refreshed in place, no rebuild
     assert not torch.allclose(after, before)
-    assert torch.equal(after, F.linear(_fq(x), _fq(lin.weight.detach()), lin.bias.detach()))
+    assert torch.equal(after, F.linear(_per_sample(_fq, x), _fq(lin.weight.detach()), lin.bias.detach()))
 
 
 # --------------------------------------------------------------------------- #
@@ -500,3 +507,30 @@ def test_quantize_model_on_tiny_sana_transformer_quantizes_attention_and_1x1_ff_
         assert torch.equal(model(**inputs, return_dict=False)[0], out)
         ff_in.requantize_()
         assert not torch.allclose(model(**inputs, return_dict=False)[0], out)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+def test_per_sample_activation_scales_equal_quantizing_each_sample_alone(fmt):
+    from solrl.stages.quant.nvfp4 import fake_quantize_per_sample, fp8_e4m3_fake_quantize, nvfp4_fake_quantize
+
+    g = torch.Generator().manual_seed(0)
+    scales = torch.tensor([1e-3, 1.0, 300.0, 0.0, 1e-35])[:, None, None]  # five decades, a zero and a tiny sample
+    x = torch.randn(5, 3, 32, generator=g) * scales
+    alone = torch.stack([(nvfp4_fake_quantize if fmt == "nvfp4" else fp8_e4m3_fake_quantize)(s) for s in x])
+    torch.testing.assert_close(fake_quantize_per_sample(x, fmt), alone, rtol=0, atol=0)
+    assert (fake_quantize_per_sample(x, fmt)[3] == 0).all()
+    with pytest.raises(ValueError, match="non-finite"):
+        fake_quantize_per_sample(torch.tensor([[float("nan")] * 16]), fmt)
+
+
+def test_the_explore_copy_quantizes_a_sample_the_same_in_any_batch():
+    layer = nn.Linear(32, 16)
+    per_sample = FakeQuantLinear(layer, "nvfp4")
+    per_call = FakeQuantLinear(layer, "nvfp4", activation_scale="call")
+    g = torch.Generator().manual_seed(1)
+    quiet, loud = torch.randn(1, 4, 32, generator=g), 50 * torch.randn(3, 4, 32, generator=g)
+    batch = torch.cat([quiet, loud])
+    torch.testing.assert_close(per_sample(batch)[:1], per_sample(quiet), rtol=0, atol=0)
+    assert not torch.equal(per_call(batch)[:1], per_call(quiet))  # the batch's amax changes a quiet sample
+    with pytest.raises(ValueError, match="activation_scale must be one of"):
+        FakeQuantLinear(layer, "nvfp4", activation_scale="token")

@@ -10,7 +10,14 @@ import zarr
 
 from solrl.stages.context import StageContext
 from solrl.stages.pipeline import ITERATION, run_stage
-from solrl.storage.artifacts import ExploreRewards, RegeneratedRewards, RewardStats, Samples, StartingPolicy
+from solrl.storage.artifacts import (
+    CandidatePool,
+    ExploreRewards,
+    RegeneratedRewards,
+    RewardStats,
+    Samples,
+    StartingPolicy,
+)
 from solrl.storage.checkpoints import load_checkpoint
 from solrl.storage.runs import create_run
 from solrl.storage.stage import StageNotCommitted, stage_dir
@@ -341,3 +348,24 @@ def test_evaluate_warns_when_grid_artifact_energy_grows_past_the_starting_policy
     manifest, skipped = run_stage(ctx, "evaluate")
     assert not skipped
     assert any("grid-artifact energy" in w and "2-pixel patch period" in w for w in manifest.info["warnings"])
+
+
+@pytest.mark.parametrize("precision", ["nvfp4_emulated", "fp8_emulated"])
+def test_the_candidate_pool_does_not_depend_on_the_explore_batch_size(tmp_path, precision):
+    from conftest import tiny_config
+
+    pools = {}
+    for scale in ("sample", "call"):
+        for batch in (4, 256):  # 4 candidates a forward call, or the whole pool of 16 in one
+            cfg = tiny_config(
+                tmp_path / f"{scale}{batch}",
+                f"explore.batch_size={batch}",
+                f"explore.precision={precision}",
+                f"explore.activation_scale={scale}",
+            )
+            run = create_run(cfg, "batch")
+            run_stage(StageContext(cfg, run.run_dir, run.run_id, 1), "explore")
+            pools[scale, batch] = CandidatePool.load(run.run_dir, 1).images
+    np.testing.assert_array_equal(pools["sample", 4], pools["sample", 256])  # per-sample activation scales
+    if precision == "nvfp4_emulated":  # one scale per call: a sample depends on what else is in the batch
+        assert (pools["call", 4] != pools["call", 256]).mean() > 0.1

@@ -56,8 +56,9 @@ class Policy:
             self.copy_adapter_(name, "policy")
         self._activate("policy")
         self.initial_state = self.state_dict("policy")  # the fresh LoRA init, to reset to the base policy
-        #: Quantized explore copies by (precision, min_dim), kept in sync in place (``rollout.explore_copy``).
-        self.explore_copies: dict[tuple[str, int], nn.Module] = {}
+        #: Quantized explore copies by (precision, min_dim, activation scale), synced in place
+        #: (``solrl.stages.quant.backends.explore_copy``).
+        self.explore_copies: dict[tuple[str, int, str], nn.Module] = {}
         self.explore_sync_seconds = 0.0
 
     # -- adapter bookkeeping ---------------------------------------------------

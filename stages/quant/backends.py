@@ -44,8 +44,9 @@ class ExploreBackend:
 
     @classmethod
     @contextmanager
-    def network(cls, policy: Policy, min_dim: int = 0) -> Iterator[nn.Module]:
-        """The rollout policy's sampling network at this precision, ``(x, ...) -> velocity``."""
+    def network(cls, policy: Policy, min_dim: int = 0, activation_scale: str = "sample") -> Iterator[nn.Module]:
+        """The rollout policy's sampling network at this precision, ``(x, ...) -> velocity``; ``activation_scale``
+        (``sample`` or ``call``) applies to the emulated backends (Transformer Engine scales per call)."""
         raise NotImplementedError
         yield
 
@@ -59,7 +60,7 @@ class BF16(ExploreBackend):
 
     @classmethod
     @contextmanager
-    def network(cls, policy: Policy, min_dim: int = 0) -> Iterator[nn.Module]:
+    def network(cls, policy: Policy, min_dim: int = 0, activation_scale: str = "sample") -> Iterator[nn.Module]:
         with policy.using("rollout") as net:
             yield net
 
@@ -69,8 +70,8 @@ class _Emulated(ExploreBackend):
 
     @classmethod
     @contextmanager
-    def network(cls, policy: Policy, min_dim: int = 0) -> Iterator[nn.Module]:
-        yield explore_copy(policy, cls.name, min_dim)
+    def network(cls, policy: Policy, min_dim: int = 0, activation_scale: str = "sample") -> Iterator[nn.Module]:
+        yield explore_copy(policy, cls.name, min_dim, activation_scale)
 
 
 @register_explore_backend("nvfp4_emulated")
@@ -91,7 +92,7 @@ class FP8Emulated(_Emulated):
 class _TransformerEngine(ExploreBackend):
     @classmethod
     @contextmanager
-    def network(cls, policy: Policy, min_dim: int = 0) -> Iterator[nn.Module]:
+    def network(cls, policy: Policy, min_dim: int = 0, activation_scale: str = "sample") -> Iterator[nn.Module]:
         check_precision(cls.name)
         from solrl.stages.quant.hardware import te_explore_copy
 
@@ -112,7 +113,7 @@ class FP8(_TransformerEngine):
     name = "fp8"
 
 
-def explore_copy(policy: Policy, precision: str, min_dim: int = 0) -> nn.Module:
+def explore_copy(policy: Policy, precision: str, min_dim: int = 0, activation_scale: str = "sample") -> nn.Module:
     """The fake-quantized explore copy of the rollout policy, built once per ``Policy`` object and then kept in
     sync in place: each later call writes the current merged rollout weights into it and re-quantizes them
     (weight sync, no model rebuild). ``policy.explore_sync_seconds`` holds the last build or sync time.
@@ -124,11 +125,13 @@ def explore_copy(policy: Policy, precision: str, min_dim: int = 0) -> nn.Module:
     if not issubclass(backend, _Emulated):
         raise ValueError(f"{precision!r} is not an emulated explore precision")
     start = time.perf_counter()
-    key = (precision, min_dim)
+    key = (precision, min_dim, activation_scale)
     net = policy.explore_copies.get(key)
     if net is None:
         net = policy.merged_copy("rollout")
-        quantize_model_(net, fmt=backend.fmt, skip=policy.model.nvfp4_skip, min_dim=min_dim)
+        quantize_model_(
+            net, fmt=backend.fmt, skip=policy.model.nvfp4_skip, min_dim=min_dim, activation_scale=activation_scale
+        )
         policy.explore_copies[key] = net
     else:
         policy.sync_merged_copy_(net, "rollout")
@@ -137,10 +140,11 @@ def explore_copy(policy: Policy, precision: str, min_dim: int = 0) -> nn.Module:
     return net
 
 
-def rollout_network(policy: Policy, precision: str, min_dim: int = 0):  # -> ContextManager[nn.Module]
+def rollout_network(policy: Policy, precision: str, min_dim: int = 0, activation_scale: str = "sample"):
+    # -> ContextManager[nn.Module]
     """The network that samples for the rollout policy at ``precision`` (a registered explore backend).
 
     Raises:
         ValueError: unknown precision, or a hardware precision this machine cannot run.
     """
-    return EXPLORE_BACKENDS.get(precision).network(policy, min_dim)
+    return EXPLORE_BACKENDS.get(precision).network(policy, min_dim, activation_scale)

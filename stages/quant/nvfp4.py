@@ -233,6 +233,60 @@ def fp8_e4m3_fake_quantize(x: torch.Tensor) -> torch.Tensor:
     return _decode(q, scale, k).to(x.dtype)
 
 
+#: How activations get their tensor scale: one per sample (batch-invariant: a sample quantizes the same whatever
+#: else is in the batch) or one per forward call (the whole batch's amax, as Transformer Engine's recipes do).
+ACTIVATION_SCALES: tuple[str, ...] = ("sample", "call")
+
+
+@torch.no_grad()
+def fake_quantize_per_sample(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Fake-quantize ``x [B, ..., K]`` with one tensor scale per sample (the leading dim): exactly
+    ``nvfp4_fake_quantize(x[b])`` (or ``fp8_e4m3_fake_quantize(x[b])``) for every ``b``, in one vectorised call
+    (torchao's ``nvfp4_quantize`` takes a per-row tensor scale). So an image's explore samples do not depend on
+    the batch it was drawn in (``explore.batch_size``, shards).
+
+    Returns:
+        float32, the shape of ``x``.
+
+    Raises:
+        ValueError: non-finite values, ``K % 16 != 0`` (nvfp4), unknown ``fmt``.
+    """
+    _check_fmt(fmt)
+    x = x.detach().to(torch.float32)
+    if x.numel() == 0:
+        return x.clone()
+    B = x.shape[0]
+    amax = x.reshape(B, -1).abs().amax(1)  # [B]
+    if not torch.isfinite(amax).all():
+        raise ValueError(f"cannot quantize a tensor with non-finite values (shape {tuple(x.shape)})")
+    # Exact power-of-two pre-scale of tiny samples (as _pow2_exponent), so 1 / g cannot overflow.
+    k = torch.where((amax > 0) & (amax < _TINY_AMAX), -torch.frexp(amax).exponent, 0)  # int [B]
+    up = torch.ldexp(torch.ones_like(amax), k)  # 2**k, [B]
+    shape = (B, *([1] * (x.dim() - 1)))
+    xs = x * up.view(shape)
+    amax = amax * up
+    if fmt == "nvfp4":
+        from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, unpack_uint4
+        from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize
+
+        _check_block_dim(x)
+        K = x.shape[-1]
+        rows = xs.reshape(-1, K).contiguous()  # [B * R, K]
+        per_row = rows.shape[0] // B
+        g = torch.where(amax > 0, amax / (E4M3_MAX * E2M1_MAX), torch.ones_like(amax))  # FP32 tensor scales [B]
+        g_rows = g.repeat_interleave(per_row).unsqueeze(1)  # [B * R, 1]
+        scales, packed = nvfp4_quantize(rows, block_size=NVFP4_BLOCK, per_tensor_scale=g_rows)
+        q = f4_unpacked_to_f32(unpack_uint4(packed.contiguous()).view(rows.shape))
+        s_b = scales.to(torch.float32).view(rows.shape[0], K // NVFP4_BLOCK, 1)
+        qs = (q.view(rows.shape[0], K // NVFP4_BLOCK, NVFP4_BLOCK) * s_b).view(rows.shape)
+        out = (qs * g_rows).view(x.shape)
+    else:
+        scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax)).view(shape)
+        q = torch.clamp(xs / scale, -E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).to(torch.float32)
+        out = q * scale
+    return out * torch.ldexp(torch.ones_like(amax), -k).view(shape)
+
+
 def _quant_parts(w2d: torch.Tensor, fmt: str) -> tuple[torch.Tensor, float, int]:
     if fmt == "nvfp4":
         return _nvfp4_parts(w2d, tensor_scale=True)
@@ -266,8 +320,10 @@ class FakeQuantLinear(nn.Module):
       ``weight_q``; :meth:`requantize_` refreshes it in place.
     * Activations are fake-quantized per call: per token for Linear (input
       ``[..., in]``, blocks along the last dim), per pixel for the conv (input
-      ``[B, C, H, W]``, blocks along C). The NVFP4 tensor scale is the amax of
-      the whole activation tensor of the call.
+      ``[B, C, H, W]``, blocks along C). The tensor scale (NVFP4's FP32 scale,
+      FP8's E4M3 scale) is each sample's amax with ``activation_scale="sample"``
+      (default: a sample quantizes the same in any batch), or the amax of the
+      whole activation tensor of the call with ``"call"``.
     * The matmul/conv runs in float32 on the dequantized values, with the bias
       in high precision; the output is cast back to the input dtype.
 
@@ -294,11 +350,11 @@ class FakeQuantLinear(nn.Module):
     weight_q: torch.Tensor
     module: nn.Module
 
-    def __init__(self, module: nn.Module, fmt: str = "nvfp4") -> None:
-        """Wrap ``module`` and quantize its weight.
+    def __init__(self, module: nn.Module, fmt: str = "nvfp4", activation_scale: str = "sample") -> None:
+        """Wrap ``module`` and quantize its weight. ``activation_scale``: one of ``ACTIVATION_SCALES``.
 
         Raises:
-            ValueError: unknown ``fmt``; ``in_features % 16 != 0`` with ``"nvfp4"``.
+            ValueError: unknown ``fmt`` or ``activation_scale``; ``in_features % 16 != 0`` with ``"nvfp4"``.
             TypeError: ``module`` is neither ``nn.Linear`` nor an eligible 1x1
                 ``nn.Conv2d`` (groups == 1, zero padding).
         """
@@ -319,7 +375,10 @@ class FakeQuantLinear(nn.Module):
                 f"NVFP4 needs in_features to be a multiple of {NVFP4_BLOCK}, got "
                 f"weight shape {tuple(module.weight.shape)}; pad it or skip this layer"
             )
+        if activation_scale not in ACTIVATION_SCALES:
+            raise ValueError(f"activation_scale must be one of {ACTIVATION_SCALES}, got {activation_scale!r}")
         self.format: str = fmt
+        self.activation_scale: str = activation_scale
         self.is_conv: bool = is_conv
         self.in_features: int = in_f
         self.out_features: int = out_f
@@ -356,6 +415,9 @@ class FakeQuantLinear(nn.Module):
         return _decode(self.weight_q, self._w_scale, self._w_pow2)
 
     def _fq(self, x: torch.Tensor) -> torch.Tensor:
+        """Activations ``[B, ..., K]``: one tensor scale per sample, or per call."""
+        if self.activation_scale == "sample":
+            return fake_quantize_per_sample(x, self.format)
         if self.format == "nvfp4":
             return nvfp4_fake_quantize(x, tensor_scale=True)
         return fp8_e4m3_fake_quantize(x)
@@ -380,8 +442,10 @@ class FakeQuantLinear(nn.Module):
         xf = x.to(torch.float32)
         if self.is_conv:
             conv = self.module
-            c_dim = 0 if xf.dim() == 3 else 1  # unbatched [C, H, W] or [B, C, H, W]
-            xq = self._fq(xf.movedim(c_dim, -1).contiguous()).movedim(-1, c_dim)
+            batched = xf.dim() == 4  # [B, C, H, W], or unbatched [C, H, W] (one sample)
+            channels_last = (xf if batched else xf.unsqueeze(0)).movedim(1, -1).contiguous()  # [B, H, W, C]
+            xq = self._fq(channels_last).movedim(-1, 1)
+            xq = xq if batched else xq.squeeze(0)
             out = F.conv2d(
                 xq,
                 w.view(self.out_features, self.in_features, 1, 1),
@@ -450,6 +514,7 @@ def quantize_model_(
     fmt: str = "nvfp4",
     skip: Sequence[str] = (),
     min_dim: int = 0,
+    activation_scale: str = "sample",
 ) -> list[str]:
     """Replace the :func:`eligible_layers` of ``model`` with :class:`FakeQuantLinear`, in place.
 
@@ -459,6 +524,7 @@ def quantize_model_(
         skip: name substrings to leave in high precision (embedders, norms,
             final layer: the per-model lists live with the model adapters).
         min_dim: skip layers whose ``max(in, out) <= min_dim``.
+        activation_scale: ``"sample"`` or ``"call"`` (see :class:`FakeQuantLinear`).
 
     Returns:
         The sorted qualified names of the modules that were quantized.
@@ -470,7 +536,7 @@ def quantize_model_(
     for name, module in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, FakeQuantLinear(module, fmt))
+        setattr(parent, child, FakeQuantLinear(module, fmt, activation_scale))
     return sorted(name for name, _ in targets)
 
 
