@@ -95,11 +95,10 @@ def campaign(store: str, run_id: str) -> dict[str, float]:
     with run_lock(run.run_dir):
         tracker = Tracker(run)
         metrics: dict[str, float] = {}
-        for stage in start:
-            metrics |= _run_and_track(store, run_id, 0, stage, tracker, run.config.campaign.stage_retries)["manifest"][
-                "metrics"
-            ]
         try:
+            for stage in start:
+                result = _run_and_track(store, run_id, 0, stage, tracker, run.config.campaign.stage_retries)
+                metrics |= result["manifest"]["metrics"]
             for iteration, stages in iterations:
                 metrics = sol_rl_iteration(store, run_id, iteration, stages)
                 shown = {k: round(v, 4) for k, v in metrics.items() if k.startswith(("eval/", "regenerate/reward_m"))}

@@ -29,7 +29,7 @@ def check_runnable(cfg: RunConfig, prompts_sha256: str | None = None) -> None:
             f"explore.precision={cfg.explore.precision} cannot run here: {reason}; this machine runs: "
             f"{', '.join(runnable_precisions())}"
         )
-    train, evaluation = cfg.train_prompts(), cfg.eval_prompts()
+    train, evaluation = (prompt_set.prompts for prompt_set in cfg.prompt_sets())
     for name in sorted({*cfg.reward.weights, *cfg.reward.evaluate}):
         REWARDS.get(name).check_runnable(reward_options(name, cfg.reward.models))
     try:
