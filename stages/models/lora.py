@@ -14,6 +14,7 @@ weight_name="pytorch_lora_weights.safetensors", prefix="transformer")``. Passing
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from solrl.stages.models.policy import Policy
@@ -51,4 +52,20 @@ def save_diffusers_lora(policy: Policy, adapter: str, pipeline_class: str, out: 
     getattr(diffusers, pipeline_class).save_lora_weights(
         out, transformer_lora_layers=state, transformer_lora_adapter_metadata=metadata
     )
+    canonical_header(out / LORA_WEIGHTS)
     return out / LORA_WEIGHTS
+
+
+def canonical_header(path: Path) -> None:
+    """Rewrite a safetensors file's JSON header with sorted keys, in place, so the same tensors and metadata
+    always give the same bytes: safetensors writes ``__metadata__`` from a hash map whose order changes from
+    process to process. The header keeps its length (same JSON, other order), so the data is untouched.
+    Format: 8-byte little-endian header length, the JSON header (space-padded), the tensor bytes."""
+    with open(path, "r+b") as f:
+        length = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(length))
+        canonical = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+        if len(canonical) > length:  # cannot happen for the same JSON; never corrupt the file
+            raise ValueError(f"{path}: canonical safetensors header longer than the original")
+        f.seek(8)
+        f.write(canonical.ljust(length, b" "))
