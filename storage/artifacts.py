@@ -24,7 +24,7 @@ import pyarrow.parquet as pq
 import torch
 import zarr
 
-from solrl.storage.checkpoints import load_checkpoint
+from solrl.storage.checkpoints import load_checkpoint, save_checkpoint
 from solrl.storage.stage import StageManifest, read_manifest, require, stage_dir
 
 A = TypeVar("A", bound="Artifact")
@@ -399,17 +399,14 @@ class CheckpointArtifact(Artifact):
 
     sections: dict[str, dict[str, torch.Tensor]]
     state: dict[str, Any]
-    directory: Path | None = None
 
     def write(self, out: Path) -> None:
-        from solrl.storage.checkpoints import save_checkpoint
-
         save_checkpoint(out / self.filename, self.sections, self.state)
 
     @classmethod
     def read(cls: type[A], path: Path) -> A:
         sections, state = load_checkpoint(path)
-        return cls(sections, state, path)  # type: ignore[call-arg]
+        return cls(sections, state)  # type: ignore[call-arg]
 
 
 @dataclass

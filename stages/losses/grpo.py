@@ -16,7 +16,7 @@ import torch
 from solrl.config import RunConfig
 from solrl.registry import register_loss
 from solrl.stages.losses.base import Batch, PolicyLoss
-from solrl.stages.models.adapter import compute_precision, select
+from solrl.stages.models.adapter import compute_precision, select_rows
 from solrl.stages.models.policy import Policy
 from solrl.stages.sampling.sde import gaussian_log_prob, sde_mean, sde_std
 
@@ -132,7 +132,7 @@ class FlowGRPO(PolicyLoss):
         n = x_t.shape[0]
         sigma, sigma_next = batch.sigmas[t_index].expand(n), batch.sigmas[t_index + 1].expand(n)
         sigma_max = float(batch.sigmas[1])
-        cond = select(batch.cond, mb)
+        cond = select_rows(batch.cond, mb)
         with compute_precision(x_t.device):
             v = policy.velocity("policy", x_t, sigma, cond)
             with torch.no_grad():

@@ -21,7 +21,7 @@ import torch
 from solrl.config import RunConfig, TrainConfig
 from solrl.registry import register_loss
 from solrl.stages.losses.base import Batch, PolicyLoss
-from solrl.stages.models.adapter import compute_precision, select
+from solrl.stages.models.adapter import compute_precision, select_rows
 from solrl.stages.models.policy import Policy
 
 #: Floor of the adaptive weight, so a near-perfect prediction does not divide by ~0 (DiffusionNFT code).
@@ -99,7 +99,7 @@ class NFT(PolicyLoss):
         t = batch.sigmas[t_index].expand(x0.shape[0])
         eps = torch.randn(x0.shape, generator=generator).to(x0.device)
         x_t = (1 - t[:, None, None, None]) * x0 + t[:, None, None, None] * eps
-        cond = select(batch.cond, mb)
+        cond = select_rows(batch.cond, mb)
         with compute_precision(x0.device):
             v_theta = policy.velocity("policy", x_t, t, cond)
             with torch.no_grad():

@@ -214,7 +214,7 @@ class ModelAdapter:
         raise NotImplementedError
 
 
-def select(cond: Conditioning, index: slice | torch.Tensor) -> Conditioning:
+def select_rows(cond: Conditioning, index: slice | torch.Tensor) -> Conditioning:
     """The rows ``index`` of every tensor of a conditioning."""
     return {k: v[index] for k, v in cond.items()}
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import ClassVar
 
 from torch import nn
@@ -140,8 +140,9 @@ def explore_copy(policy: Policy, precision: str, min_dim: int = 0, activation_sc
     return net
 
 
-def rollout_network(policy: Policy, precision: str, min_dim: int = 0, activation_scale: str = "sample"):
-    # -> ContextManager[nn.Module]
+def rollout_network(
+    policy: Policy, precision: str, min_dim: int = 0, activation_scale: str = "sample"
+) -> AbstractContextManager[nn.Module]:
     """The network that samples for the rollout policy at ``precision`` (a registered explore backend).
 
     Raises:
