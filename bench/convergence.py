@@ -9,6 +9,12 @@ seconds (evaluation excluded), plus the per-stage time split of an iteration.
 
     .venv/bin/python bench/convergence.py --iterations 20 --seeds 0 1 2 --out bench/results
     .venv/bin/python bench/convergence.py --from-csv bench/results/convergence.csv --out bench/results  # re-render
+
+A ``--variant NAME=PRESET:KEY=VALUE;KEY=VALUE`` adds a row that runs ``PRESET`` with those overrides under its
+own name (the reward-hacking defences of ``bench/results/defences.md`` were measured this way):
+
+    .venv/bin/python bench/convergence.py --presets sol-rl --variant "kl-0.01=sol-rl:train.kl_beta=0.01" \
+        --iterations 20 --seeds 0 1 2 --out bench/results/defences
 """
 
 from __future__ import annotations
@@ -40,9 +46,24 @@ def stage_columns(frame: pd.DataFrame) -> list[str]:
     return [f"seconds/{s}" for s in TRAIN_STAGES if f"seconds/{s}" in frame]
 
 
-def run_one(preset: str, seed: int, iterations: int, store: Path, overrides: tuple[str, ...] = ()) -> pd.DataFrame:
+def parse_variant(text: str) -> tuple[str, str, tuple[str, ...]]:
+    """``NAME=PRESET:KEY=VALUE;KEY=VALUE`` -> ``(NAME, PRESET, overrides)``.
+
+    Raises:
+        argparse.ArgumentTypeError: ``text`` lacks the ``NAME=PRESET:`` head.
+    """
+    name, sep, rest = text.partition("=")
+    preset, colon, overrides = rest.partition(":")
+    if not (sep and colon and name and preset):
+        raise argparse.ArgumentTypeError(f"--variant {text!r}: expected NAME=PRESET:KEY=VALUE;KEY=VALUE")
+    return name, preset, tuple(o for o in overrides.split(";") if o)
+
+
+def run_one(
+    preset: str, seed: int, iterations: int, store: Path, overrides: tuple[str, ...] = (), label: str | None = None
+) -> pd.DataFrame:
     """One run of ``preset`` (plus ``--set`` style ``overrides``) through the stage functions; returns its
-    per-iteration metrics with cumulative ``train_seconds``."""
+    per-iteration metrics with cumulative ``train_seconds``, its rows named ``label`` (default: the preset)."""
     cfg = load_config(
         preset,
         [
@@ -53,16 +74,17 @@ def run_one(preset: str, seed: int, iterations: int, store: Path, overrides: tup
             *overrides,
         ],
     )
-    run = create_run(cfg, f"{preset}-seed{seed}")
+    label = label or preset
+    run = create_run(cfg, f"{label}-seed{seed}")
     for iteration, stages in campaign_plan(cfg):
         ctx = StageContext(cfg, run.run_dir, run.run_id, iteration)
         for stage in stages:
             run_stage(ctx, stage)
-        print(f"  {preset} seed {seed} iteration {iteration}/{iterations}", flush=True)
+        print(f"  {label} seed {seed} iteration {iteration}/{iterations}", flush=True)
     frame = collect_metrics(run.run_dir, tuple(s.name for s in ITERATION))
     seconds = frame[stage_columns(frame)].fillna(0).sum(axis=1)
     frame["train_seconds"] = seconds.cumsum()
-    frame["preset"], frame["seed"] = preset, seed
+    frame["preset"], frame["seed"] = label, seed
     return frame
 
 
@@ -188,6 +210,15 @@ def main() -> None:
         metavar="SECTION.KEY=VALUE",
         help="config override applied to every preset (repeatable)",
     )
+    parser.add_argument(
+        "--variant",
+        dest="variants",
+        action="append",
+        default=[],
+        type=parse_variant,
+        metavar="NAME=PRESET:KEY=VALUE;KEY=VALUE",
+        help="an extra row: PRESET with its own overrides, named NAME (repeatable)",
+    )
     parser.add_argument("--target", type=float, default=0.8, help="evaluator alignment for the time-to column")
     parser.add_argument(
         "--from-csv",
@@ -203,9 +234,11 @@ def main() -> None:
         store = Path(tempfile.mkdtemp(prefix="solrl-convergence-"))
         frames = []
         try:
-            for preset in args.presets:
+            runs = [(preset, preset, ()) for preset in args.presets] + args.variants
+            for label, preset, own in runs:
                 for seed in args.seeds:
-                    frames.append(run_one(preset, seed, args.iterations, store, tuple(args.overrides)))
+                    overrides = (*args.overrides, *own)
+                    frames.append(run_one(preset, seed, args.iterations, store, overrides, label))
                     # Written after every run, so a long bench that dies keeps what it measured.
                     pd.concat(frames, ignore_index=True).to_csv(args.out / "convergence.csv", index=False)
         finally:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
+from prefect.exceptions import TerminationSignal
 
 from solrl.stages.context import StageContext
 from solrl.stages.pipeline import campaign_plan, run_stage
@@ -103,6 +104,9 @@ def campaign(store: str, run_id: str) -> dict[str, float]:
                 metrics = sol_rl_iteration(store, run_id, iteration, stages)
                 shown = {k: round(v, 4) for k, v in metrics.items() if k.startswith(("eval/", "regenerate/reward_m"))}
                 logger.info("iteration %d/%d done: %s", iteration, run.config.campaign.iterations, shown)
+        except (KeyboardInterrupt, TerminationSignal):  # Ctrl-C; SIGTERM (Prefect raises its TerminationSignal)
+            tracker.finish("KILLED")
+            raise
         except BaseException:
             tracker.finish("FAILED")
             raise

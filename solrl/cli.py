@@ -7,6 +7,7 @@ unknown run) is one line on stderr, exit code 2, and nothing written.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -38,16 +39,42 @@ def _quiet_environment() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread like Ctrl-C's KeyboardInterrupt, so the same unwinding runs: the
+    current stage's temporary folder is removed, MLflow and Prefect record the stop, the temporary Prefect
+    server is stopped."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated()
+
+
+def _start_prefect_early() -> None:
+    """Start the temporary Prefect server in the background (unless PREFECT_API_URL is set) while the rest of
+    the command loads; SIGTERM unwinds like Ctrl-C from here on."""
+    _quiet_environment()
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    from solrl.flows.server import start_early
+
+    start_early()
+
+
 def _launch(store: str, run_id: str) -> None:
     _quiet_environment()
+    from solrl.flows.server import prefect_api
     from solrl.flows.sol_rl import campaign
 
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    resume = f"continue with `solrl resume {run_id} --store {store}`"
     try:
-        campaign(store, run_id)
+        with prefect_api():
+            campaign(store, run_id)
     except ConfigError as exc:
         _fail(str(exc))
+    except Terminated:
+        _fail(f"terminated (SIGTERM); {resume}", 143)
     except KeyboardInterrupt:
-        _fail(f"interrupted; continue with `solrl resume {run_id} --store {store}`", 130)
+        _fail(f"interrupted; {resume}", 130)
     except Exception as exc:  # the flow already logged the traceback
         _fail(
             f"{exc.__class__.__name__}: {exc}\n  committed stages are kept; continue with "
@@ -83,6 +110,7 @@ def run(
     """Start a new campaign from a preset (default tiny-digits)."""
     try:
         cfg = load_config(config, set_ or [])
+        _start_prefect_early()
         from solrl.stages.runnable import check_runnable
         from solrl.storage.runs import create_run
 
@@ -101,10 +129,12 @@ def run(
 def resume(run_id: Annotated[str, typer.Argument(help="The run to continue.")], store: StoreOption = "runs") -> None:
     """Continue a run: committed stages are skipped, the first stage without a manifest runs next."""
     try:
-        from solrl.stages.runnable import check_runnable
         from solrl.storage.runs import open_run, run_lock
 
         run_ = open_run(store, run_id)
+        _start_prefect_early()
+        from solrl.stages.runnable import check_runnable
+
         check_runnable(run_.config, run_.prompts_sha256)
         with run_lock(run_.run_dir):  # refuse now, not after Prefect has started, when another process runs it
             pass

@@ -3,6 +3,7 @@ everything, and SIGKILL mid-iteration followed by ``solrl resume``."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -10,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from conftest import TINY, tiny_config
 
@@ -86,8 +88,15 @@ def test_sigkill_mid_iteration_then_resume_completes_and_skips_committed_stages(
             assert proc.poll() is None, "solrl run ended before it could be killed"
             assert time.time() < deadline, "iteration 1 never reached select"
             time.sleep(0.05)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert any("uvicorn" in " ".join(c.cmdline()) for c in children)
+        os.kill(proc.pid, signal.SIGKILL)  # solrl alone: its temporary Prefect server must not outlive it
+        proc.wait()
+        _, alive = psutil.wait_procs(children, timeout=10)
+        assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], "a child outlived solrl's SIGKILL"
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     assert read_manifest(run_dir, 1, "checkpoint") is None  # killed mid-iteration
     done_before = {s.name for s in ITERATION if read_manifest(run_dir, 1, s.name)}

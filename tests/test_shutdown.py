@@ -1,0 +1,113 @@
+"""Clean shutdown of ``solrl run``: Ctrl-C to the process group exits 130, SIGTERM exits 143, both within
+seconds and resumable; no child (the temporary Prefect server) outlives solrl after these or after a SIGKILL
+of solrl alone (that case is in ``test_flow``)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import TINY, tiny_config
+
+from solrl.stages.pipeline import campaign_plan
+from solrl.storage.stage import read_manifest
+
+pytestmark = pytest.mark.slow
+
+SOLRL = [sys.executable, "-m", "solrl.cli"]
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+
+def start_run(store: Path, run_id: str) -> subprocess.Popen[str]:
+    """``solrl run`` of the tiny config in its own session (so the test can signal its process group)."""
+    overrides = [a for o in [*TINY, f"storage.root={store}"] for a in ("--set", o)]
+    return subprocess.Popen(
+        [*SOLRL, "run", *overrides, "--run-id", run_id],
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def wait_for(proc: subprocess.Popen[str], path: Path, timeout: float = 240) -> list[psutil.Process]:
+    """Wait until ``path`` exists while ``proc`` runs; returns ``proc``'s descendants at that moment."""
+    deadline = time.time() + timeout
+    while not path.exists():
+        assert proc.poll() is None, f"solrl ended early:\n{proc.stdout.read() if proc.stdout else ''}"
+        assert time.time() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+    children = psutil.Process(proc.pid).children(recursive=True)
+    assert any("uvicorn" in " ".join(c.cmdline()) for c in children), "no temporary Prefect server found"
+    return children
+
+
+def assert_all_gone(processes: list[psutil.Process], within: float = 10) -> None:
+    _, alive = psutil.wait_procs(processes, timeout=within)
+    alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, [" ".join(p.cmdline()[:4]) for p in alive]
+
+
+def mlflow_status(store: Path) -> str:
+    import mlflow
+
+    client = mlflow.MlflowClient(f"sqlite:///{store / 'mlflow.db'}")
+    (run,) = client.search_runs(client.get_experiment_by_name("solrl").experiment_id)
+    return run.info.status
+
+
+def test_ctrl_c_to_the_process_group_exits_130_leaves_no_child_and_resumes(tmp_path: Path):
+    store = tmp_path / "store"
+    proc = start_run(store, "ctrlc")
+    children = wait_for(proc, store / "ctrlc" / "iter_000001" / "select" / "_MANIFEST.json")
+    sent = time.time()
+    os.killpg(proc.pid, signal.SIGINT)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, output[-3000:]
+    assert time.time() - sent < 30
+    assert "interrupted; continue with `solrl resume ctrlc" in output
+    assert_all_gone(children)
+    assert mlflow_status(store) == "KILLED"
+    assert read_manifest(store / "ctrlc", 2, "checkpoint") is None
+
+    result = subprocess.run(
+        [*SOLRL, "resume", "ctrlc", "--store", str(store)], env=ENV, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    for iteration, stages in campaign_plan(tiny_config(store)):
+        for stage in stages:
+            assert read_manifest(store / "ctrlc", iteration, stage, verify=True), (iteration, stage)
+    assert mlflow_status(store) == "FINISHED"
+    assert not [p for p in (store / "ctrlc").rglob(".*") if ".tmp-" in p.name or ".trash-" in p.name]
+
+
+def test_sigterm_exits_143_and_stops_the_temporary_prefect_server(tmp_path: Path):
+    store = tmp_path / "store"
+    proc = start_run(store, "term")
+    children = wait_for(proc, store / "term" / "iter_000001" / "explore" / "_MANIFEST.json")
+    sent = time.time()
+    proc.send_signal(signal.SIGTERM)  # solrl alone, as a service manager or `kill` does
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 143, output[-3000:]
+    assert time.time() - sent < 30
+    assert "terminated (SIGTERM); continue with `solrl resume term" in output
+    assert_all_gone(children)
+    assert mlflow_status(store) == "KILLED"
+
+
+def test_a_temporary_server_that_does_not_answer_in_time_is_stopped_with_a_clear_error():
+    from solrl.flows.server import TemporaryServer
+
+    server = TemporaryServer().start()
+    process = server.process
+    assert process is not None
+    with pytest.raises(RuntimeError, match="did not start .*SOLRL_PREFECT_START_TIMEOUT"):
+        server.wait(timeout=0.05)
+    assert process.poll() is not None and server.process is None
