@@ -25,7 +25,7 @@ import torch
 import zarr
 
 from solrl.storage.checkpoints import load_checkpoint, save_checkpoint
-from solrl.storage.stage import StageManifest, read_manifest, require, stage_dir
+from solrl.storage.stage import StageManifest, fault_point, read_manifest, require, stage_dir
 
 A = TypeVar("A", bound="Artifact")
 
@@ -119,6 +119,7 @@ class ZarrArtifact(Artifact):
             chunks = (1, *data.shape[1:]) if data.ndim > 1 else data.shape
             array = group.create_array(name, shape=data.shape, dtype=data.dtype, chunks=chunks, dimension_names=dims)
             array[...] = data
+            fault_point("write")  # test-only: a kill between two arrays of one store
         group.attrs.update(self.attrs)
         with warnings.catch_warnings():  # zarr notes that v3 consolidation is an extension; xarray reads it
             warnings.filterwarnings("ignore", message="Consolidated metadata is currently not part")
@@ -222,6 +223,7 @@ class TableArtifact(Artifact):
 
     def write(self, out: Path) -> None:
         pq.write_table(pa.Table.from_pandas(self.frame, preserve_index=False), out / self.filename)
+        fault_point("write")
 
     @classmethod
     def read(cls: type[A], path: Path) -> A:
@@ -402,6 +404,7 @@ class CheckpointArtifact(Artifact):
 
     def write(self, out: Path) -> None:
         save_checkpoint(out / self.filename, self.sections, self.state)
+        fault_point("write")
 
     @classmethod
     def read(cls: type[A], path: Path) -> A:

@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import time
 import uuid
 from collections.abc import Callable
@@ -26,6 +27,22 @@ from typing import Any
 from pydantic import BaseModel
 
 MANIFEST = "_MANIFEST.json"
+
+#: Test-only fault injection (``tests/test_faults.py``): with ``SOLRL_FAULT=<iteration>:<stage>:<point>`` in the
+#: environment, the process SIGKILLs itself when that stage's commit reaches ``<point>``: ``write`` (the stage
+#: has written its first file into its temporary folder), ``renamed`` (the folder is in place, its manifest not
+#: yet written) or ``committed`` (the manifest is written, the next stage not begun).
+FAULT_ENV = "SOLRL_FAULT"
+FAULT_POINTS = ("write", "renamed", "committed")
+_committing: tuple[int, str] | None = None
+
+
+def fault_point(point: str) -> None:
+    """SIGKILL this process if ``SOLRL_FAULT`` names the stage being committed and ``point`` (test-only hook;
+    one environment lookup otherwise)."""
+    spec = os.environ.get(FAULT_ENV)
+    if spec and _committing is not None and spec == f"{_committing[0]}:{_committing[1]}:{point}":
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 class StageNotCommitted(FileNotFoundError):
@@ -183,17 +200,21 @@ def commit(
     aside; rename the temporary directory into place; write the manifest last. On any exception the
     temporary directory is removed and nothing is committed.
     """
+    global _committing
     final = stage_dir(run_dir, iteration, stage)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.with_name(f".{stage}.tmp-{uuid.uuid4().hex[:8]}")
     tmp.mkdir()
     start = time.perf_counter()
+    _committing = (iteration, stage)
     try:
         output = write(tmp)
         files = _fsync_tree(tmp)
         _remove(final)
         os.replace(tmp, final)
+        fault_point("renamed")
     except BaseException:
+        _committing = None
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     manifest = StageManifest(
@@ -207,7 +228,11 @@ def commit(
         seconds=round(time.perf_counter() - start, 4),
         created=datetime.now(timezone.utc).isoformat(),
     )
-    write_json_atomic(final / MANIFEST, manifest.model_dump(mode="json"))
+    try:
+        write_json_atomic(final / MANIFEST, manifest.model_dump(mode="json"))
+        fault_point("committed")
+    finally:
+        _committing = None
     return manifest
 
 
