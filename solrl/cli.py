@@ -250,6 +250,137 @@ def report(
         except OSError as exc:
             _fail(f"--plot {plot}: cannot write the PNG there ({exc.strerror or exc})")
         typer.echo(f"curves saved to {plot}")
+    from solrl.stages.pipeline import campaign_plan
+    from solrl.storage.audit import broken_manifests
+
+    broken = broken_manifests(run_.run_dir, campaign_plan(run_.config))
+    if broken:
+        _fail(
+            "; ".join(f"iteration {i}: {stage} has an unreadable manifest" for i, stage in broken)
+            + f" (or a file of another size than committed); left out of the table above, and `solrl resume "
+            f"{run_id} --store {store}` recomputes them"
+        )
+
+
+def _open_iteration(store: str, run_id: str, iteration: int | None):
+    """The run and the iteration to look at (default: the last with a committed stage); exit 2 when the run
+    or the iteration does not exist."""
+    from solrl.stages.pipeline import campaign_plan
+    from solrl.storage.runs import open_run
+    from solrl.storage.stage import iteration_dir
+
+    try:
+        run_ = open_run(store, run_id)
+    except ConfigError as exc:
+        _fail(str(exc))
+    plan = dict(campaign_plan(run_.config))
+    if iteration is None:
+        started = [i for i in plan if iteration_dir(run_.run_dir, i).exists()]
+        iteration = started[-1] if started else 0
+    if iteration not in plan:
+        _fail(
+            f"run {run_id} has no iteration {iteration}: its campaign has iterations 0 (the starting policy's "
+            f"evaluation) to {run_.config.campaign.iterations}"
+        )
+    return run_, iteration, plan[iteration]
+
+
+@app.command()
+def inspect(
+    run_id: Annotated[str, typer.Argument(help="The run to audit.")],
+    iteration: Annotated[
+        int | None, typer.Option(help="Iteration (default: the last one with a committed stage).")
+    ] = None,
+    store: StoreOption = "runs",
+) -> None:
+    """Audit one iteration from its stored files: stage states and timings, the candidate pool's reward
+    distribution per prompt, the kept seeds (explore vs BF16 reward) and the proxy-fidelity figures."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from solrl.storage.audit import audit_iteration
+
+    run_, iteration, due = _open_iteration(store, run_id, iteration)
+    found = audit_iteration(run_.run_dir, iteration, due)
+    console = Console(width=200)
+
+    def show(title: str, frame: pd.DataFrame | None, missing: str) -> None:
+        if frame is None:
+            console.print(f"[bold]{title}[/bold]: not available ({missing})\n")
+            return
+        table = Table(title=title, title_justify="left")
+        for column in frame.columns:
+            table.add_column(str(column), overflow="fold", max_width=48 if column == "prompt" else None)
+        for row in frame.itertuples(index=False):
+            table.add_row(*[f"{v:.4f}" if isinstance(v, float) else str(v) for v in row])
+        console.print(table)
+
+    stages = Table("stage", "state", "seconds", title=f"run {run_id}, iteration {iteration}", title_justify="left")
+    for stage, state in found.states.items():
+        seconds = found.seconds.get(stage)
+        colour = {"committed": "green", "corrupted": "red", "incomplete": "yellow"}.get(state, "dim")
+        stages.add_row(stage, f"[{colour}]{state}[/{colour}]", f"{seconds:.2f}" if seconds is not None else "")
+    console.print(stages)
+    state_of = found.states.get
+    show("candidate pool: weighted reward per prompt", found.pool, f"score_explore {state_of('score_explore')}")
+    show("kept seeds", found.selection, f"select {state_of('select')}")
+    show("proxy fidelity per prompt (kept seeds)", found.fidelity, f"score_regenerate {state_of('score_regenerate')}")
+    if found.audit_pool is not None:
+        console.print(f"audit: {found.audit_pool['group'].nunique()} whole pools regenerated in BF16 (audit/*)")
+    figures = {k: v for k, v in found.metrics.items() if k.startswith(("fidelity/", "audit/", "select/"))}
+    if figures:
+        console.print("fidelity figures: " + ", ".join(f"{k} {v:.4f}" for k, v in sorted(figures.items())))
+    missing = [s for s, state in found.states.items() if state in ("missing", "incomplete")]
+    if missing:
+        console.print(f"not committed: {', '.join(missing)}; `solrl resume {run_id} --store {store}` runs them")
+    corrupted = [s for s, state in found.states.items() if state == "corrupted"]
+    if corrupted:
+        _fail(
+            f"run {run_id} iteration {iteration}: {', '.join(corrupted)} fail verification (a manifest is unreadable "
+            f"or a file changed since it was committed); their files are not shown, and `solrl resume {run_id} "
+            f"--store {store}` recomputes them"
+        )
+
+
+@app.command()
+def show(
+    run_id: Annotated[str, typer.Argument(help="The run.")],
+    iteration: Annotated[int, typer.Option(help="Iteration whose candidate pool to draw.")],
+    prompt: Annotated[str, typer.Option(help="The prompt: its index in the iteration, its text, or a unique part.")],
+    out: Annotated[Path | None, typer.Option(help="PNG to write (default: <run>-iter<N>-prompt<i>.png).")] = None,
+    store: StoreOption = "runs",
+) -> None:
+    """Draw one prompt's whole candidate pool, ordered by explore reward, the kept seeds marked."""
+    from solrl.stages.metrics.grid import save_pool_grid
+    from solrl.storage.audit import pool_view
+    from solrl.storage.stage import StageNotCommitted
+
+    run_, iteration, _ = _open_iteration(store, run_id, iteration)
+    try:
+        view = pool_view(run_.run_dir, iteration, prompt)
+    except StageNotCommitted:
+        _fail(
+            f"run {run_id} iteration {iteration}: no verified candidate pool and rewards (explore and "
+            f"score_explore must be committed; `solrl inspect {run_id} --iteration {iteration}` shows their state)"
+        )
+    except LookupError as exc:
+        _fail(str(exc))
+    if out is None:
+        safe = "".join(ch if ch.isalnum() else "-" for ch in prompt)[:40]
+        out = Path(f"{run_id}-iter{iteration}-prompt-{safe}.png")
+    kept = sum(k is not None for k in view.kept_as)
+    try:
+        save_pool_grid(
+            view.images,
+            view.rewards,
+            view.candidates,
+            view.kept_as,
+            out,
+            title=f"{run_id} iteration {iteration}: {view.prompt} ({len(view.rewards)} candidates, {kept} kept)",
+        )
+    except OSError as exc:
+        _fail(f"--out {out}: cannot write the PNG there ({exc.strerror or exc})")
+    typer.echo(f"pool of {view.prompt!r} ({len(view.rewards)} candidates, {kept} kept) written to {out}")
 
 
 @app.command()

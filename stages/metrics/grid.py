@@ -47,3 +47,56 @@ def save_grid(
         x = left + split * ww
         draw.line([(x, top), (x, canvas.height)], fill="red", width=pad)
     canvas.save(path)
+
+
+#: Border colours of kept seeds in ``save_pool_grid``.
+KEPT_COLOURS = {"best": (0, 160, 0), "worst": (220, 0, 0), "random": (0, 90, 220)}
+
+
+def save_pool_grid(
+    images: np.ndarray,
+    rewards: np.ndarray,
+    candidates: np.ndarray,
+    kept_as: Sequence[str | None],
+    path: Path,
+    *,
+    title: str = "",
+    columns: int = 8,
+    scale: int = 4,
+) -> None:
+    """Save a whole candidate pool as one PNG, in the order given (``solrl show`` passes best first).
+
+    Each tile is labelled ``#rank reward`` above and its candidate index in the pool below; kept seeds get a
+    thick border, green for ``best``, red for ``worst`` (``KEPT_COLOURS``); ``title`` (e.g. the prompt) and a
+    legend head the page.
+
+    Args:
+        images: uint8 ``[N, H, W, 3]``. rewards: float ``[N]``. candidates: int ``[N]``. kept_as: ``N`` labels, None
+            for a candidate that was not kept. columns: tiles per row.
+    """
+    n, h, w, _ = images.shape
+    border, label_h = max(2, scale), _LINE_H + 2
+    tile_w = max(w * scale + 2 * border, 11 * _CHAR_W)
+    tile_h = h * scale + 2 * border + 2 * label_h
+    rows = -(-n // columns)
+    head = 2 * _LINE_H + 6
+    canvas = Image.new("RGB", (columns * (tile_w + 4) + 4, head + rows * (tile_h + 4) + 4), "white")
+    draw = ImageDraw.Draw(canvas)
+    draw.text((4, 2), title, fill="black")
+    x = 4
+    for label, colour in KEPT_COLOURS.items():
+        if label in kept_as:
+            draw.rectangle([x, _LINE_H + 6, x + 8, _LINE_H + 14], fill=colour)
+            draw.text((x + 12, _LINE_H + 4), f"kept {label}", fill="black")
+            x += 12 + (6 + len(label)) * _CHAR_W
+    for i in range(n):
+        r, c = divmod(i, columns)
+        x0, y0 = 4 + c * (tile_w + 4), head + r * (tile_h + 4)
+        draw.text((x0, y0), f"#{i + 1} {rewards[i]:.3f}", fill="black")
+        box = (x0, y0 + label_h, x0 + w * scale + 2 * border - 1, y0 + label_h + h * scale + 2 * border - 1)
+        if kept_as[i] is not None:
+            draw.rectangle(box, fill=KEPT_COLOURS.get(str(kept_as[i]), (0, 0, 0)))
+        tile = Image.fromarray(images[i]).resize((w * scale, h * scale), Image.NEAREST)
+        canvas.paste(tile, (x0 + border, y0 + label_h + border))
+        draw.text((x0, y0 + label_h + h * scale + 2 * border + 1), f"cand {int(candidates[i])}", fill="dimgray")
+    canvas.save(path)

@@ -1,0 +1,145 @@
+"""``solrl inspect`` and ``solrl show``: audit a run from its stored files, finished or dead mid-iteration;
+bad input (unknown run or iteration, corrupted manifest or Parquet file) is one clear error, exit 2."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import tiny_config
+from PIL import Image
+from typer.testing import CliRunner
+
+from solrl.cli import app
+from solrl.stages.pipeline import campaign_plan
+from solrl.storage.audit import audit_iteration, pool_view, stage_state
+from solrl.storage.stage import MANIFEST, stage_dir
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished 2-iteration tiny run (with a fidelity audit at iteration 2); its store folder."""
+    from solrl.stages.context import StageContext
+    from solrl.stages.pipeline import run_stage
+    from solrl.storage.runs import create_run
+
+    store = tmp_path_factory.mktemp("audit") / "store"
+    run = create_run(tiny_config(store), "done")
+    for iteration, stages in campaign_plan(run.config):
+        ctx = StageContext(run.config, run.run_dir, run.run_id, iteration, run.config_hash)
+        for stage in stages:
+            run_stage(ctx, stage)
+    return store
+
+
+def copy_run(finished: Path, tmp_path: Path) -> Path:
+    store = tmp_path / "store"
+    shutil.copytree(finished, store)
+    return store
+
+
+def inspect(store: Path, *extra: str):
+    return runner.invoke(app, ["inspect", "done", "--store", str(store), *extra])
+
+
+def test_inspect_a_finished_run_shows_pool_selection_fidelity_and_timings(finished: Path):
+    result = inspect(finished, "--iteration", "2")
+    assert result.exit_code == 0, result.output
+    for text in (
+        "run done, iteration 2",
+        "candidate pool: weighted reward per prompt",
+        "kept seeds",
+        "bf16_reward",
+        "proxy fidelity per prompt",
+        "spearman",
+        "audit: 2 whole pools regenerated in BF16",
+        "fidelity/spearman",
+    ):
+        assert text in result.output, text
+    assert "not committed" not in result.output and "missing" not in result.output
+    found = audit_iteration(finished / "done", 2, dict(campaign_plan(tiny_config(finished)))[2])
+    assert set(found.states.values()) == {"committed"}
+    assert len(found.pool) == 2 and (found.pool["candidates"] == 8).all()
+    assert len(found.selection) == 2 * 4 and found.selection["bf16_reward"].notna().all()
+    assert list(found.selection["kept_as"][:4]) == ["best", "best", "worst", "worst"]
+    # the default iteration is the last one begun
+    assert "run done, iteration 2" in inspect(finished).output
+
+
+def test_inspect_and_show_a_run_that_died_mid_iteration(finished: Path, tmp_path: Path):
+    store = copy_run(finished, tmp_path)
+    for stage in ("score_regenerate", "audit", "update", "checkpoint", "evaluate"):
+        shutil.rmtree(stage_dir(store / "done", 2, stage))
+    (stage_dir(store / "done", 2, "update").parent / ".update.tmp-0123abcd").mkdir()  # killed while writing
+    result = inspect(store)
+    assert result.exit_code == 0, result.output
+    assert "run done, iteration 2" in result.output
+    assert stage_state(store / "done", 2, "update")[0] == "incomplete"
+    assert stage_state(store / "done", 2, "checkpoint")[0] == "missing"
+    assert "proxy fidelity per prompt (kept seeds): not available (score_regenerate missing)" in result.output
+    assert "not committed: score_regenerate, audit, update, checkpoint, evaluate" in result.output
+    assert "kept seeds" in result.output
+
+    out = tmp_path / "pool.png"
+    shown = runner.invoke(
+        app, ["show", "done", "--store", str(store), "--iteration", "2", "--prompt", "1", "--out", str(out)]
+    )
+    assert shown.exit_code == 0, shown.output
+    assert "8 candidates, 4 kept" in shown.output
+    assert Image.open(out).size[0] > 8 * 32
+
+
+def test_show_orders_the_pool_by_reward_and_marks_the_kept_seeds(finished: Path, tmp_path: Path):
+    view = pool_view(finished / "done", 1, "0")
+    assert list(view.rewards) == sorted(view.rewards, reverse=True)
+    assert view.kept_as[:2] == ["best", "best"] and view.kept_as[-2:] == ["worst", "worst"]
+    assert view.kept_as[2:-2] == [None] * 4
+    assert view.images.shape[0] == 8 and sorted(view.candidates) == list(range(8))
+    by_text = pool_view(finished / "done", 1, view.prompt)
+    assert list(by_text.candidates) == list(view.candidates)
+    out = tmp_path / "p.png"
+    result = runner.invoke(
+        app, ["show", "done", "--store", str(finished), "--iteration", "1", "--prompt", view.prompt, "--out", str(out)]
+    )
+    assert result.exit_code == 0, result.output
+    assert out.exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (["inspect", "nope"], "no run 'nope'"),
+        (["inspect", "done", "--iteration", "9"], "run done has no iteration 9: its campaign has iterations 0"),
+        (["show", "done", "--iteration", "-1", "--prompt", "0"], "run done has no iteration -1"),
+        (["show", "done", "--iteration", "1", "--prompt", "zebra"], "'zebra' matches no prompt of iteration 1"),
+        (["show", "done", "--iteration", "0", "--prompt", "0"], "no verified candidate pool"),
+        (["report", "nope"], "no run 'nope'"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2(finished: Path, args: list[str], match: str):
+    result = runner.invoke(app, [*args, "--store", str(finished)])
+    assert result.exit_code == 2, result.output
+    assert match in result.stderr
+    assert len([ln for ln in result.stderr.splitlines() if ln.strip()]) == 1
+
+
+def test_a_corrupted_parquet_file_or_manifest_is_reported_not_read(finished: Path, tmp_path: Path):
+    store = copy_run(finished, tmp_path)
+    table = stage_dir(store / "done", 1, "score_explore") / "rewards.parquet"
+    data = bytearray(table.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    table.write_bytes(bytes(data))
+    (stage_dir(store / "done", 1, "select") / MANIFEST).write_text("{not json")
+
+    result = inspect(store, "--iteration", "1")
+    assert result.exit_code == 2
+    assert "score_explore, select fail verification" in result.stderr
+    assert "recomputes them" in result.stderr
+    assert "candidate pool: weighted reward per prompt: not available (score_explore corrupted)" in result.output
+    shown = runner.invoke(app, ["show", "done", "--store", str(store), "--iteration", "1", "--prompt", "0"])
+    assert shown.exit_code == 2 and "no verified candidate pool" in shown.stderr
+    reported = runner.invoke(app, ["report", "done", "--store", str(store)])
+    assert reported.exit_code == 2 and "iteration 1: select has an unreadable manifest" in reported.stderr
