@@ -90,7 +90,7 @@ def campaign(store: str, run_id: str) -> dict[str, float]:
     can run the config (``check_runnable``: ConfigError otherwise), and holds the run's lock so two processes
     never write one run."""
     run = open_run(store, run_id)
-    check_runnable(run.config, run.prompts_sha256)
+    check_runnable(run.config, run.prompts_sha256, run.weights)
     logger = get_run_logger()
     (_, start), *iterations = campaign_plan(run.config)
     with run_lock(run.run_dir):

@@ -111,11 +111,12 @@ def run(
     try:
         cfg = load_config(config, set_ or [])
         _start_prefect_early()
+        from solrl.stages.models import model_family
         from solrl.stages.runnable import check_runnable
         from solrl.storage.runs import create_run
 
         check_runnable(cfg)
-        created = create_run(cfg, run_id)
+        created = create_run(cfg, run_id, weights=model_family(cfg.model).weights_fingerprint(cfg.model))
     except ConfigError as exc:
         _fail(str(exc))
     typer.echo(
@@ -135,7 +136,7 @@ def resume(run_id: Annotated[str, typer.Argument(help="The run to continue.")], 
         _start_prefect_early()
         from solrl.stages.runnable import check_runnable
 
-        check_runnable(run_.config, run_.prompts_sha256)
+        check_runnable(run_.config, run_.prompts_sha256, run_.weights)
         with run_lock(run_.run_dir):  # refuse now, not after Prefect has started, when another process runs it
             pass
     except ConfigError as exc:

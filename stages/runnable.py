@@ -8,20 +8,31 @@ from solrl.registry import EXPLORE_BACKENDS, REWARDS
 from solrl.stages.models import model_family, resolve_device
 from solrl.stages.quant.availability import runnable_precisions
 from solrl.stages.rewards import reward_options
+from solrl.storage.fingerprint import changed_files
 
 
-def check_runnable(cfg: RunConfig, prompts_sha256: str | None = None) -> None:
+def check_runnable(cfg: RunConfig, prompts_sha256: str | None = None, weights: dict[str, str] | None = None) -> None:
     """Check, before any work, that this machine can run ``cfg``.
 
     Checks: the model family's weights files; ``model.device``; the explore backend on this hardware; the prompt
     files readable and scorable by every configured reward; with ``prompts_sha256`` (a run's recorded digest),
-    that the prompt files still hold the prompts the run's committed stages used.
+    that the prompt files still hold the prompts the run's committed stages used; with ``weights`` (a run's
+    recorded fingerprint, ``storage.fingerprint``), that the weights folder still holds the same files.
 
     Raises:
         ConfigError: one line naming what is missing and the fix.
     """
     validate_config(cfg.model_dump(mode="json"))  # the plug-ins, which reading a stored run skips
-    model_family(cfg.model).check_runnable(cfg.model)
+    family = model_family(cfg.model)
+    family.check_runnable(cfg.model)
+    if weights:
+        changed = changed_files(weights, family.weights_fingerprint(cfg.model) or {})
+        if changed:
+            shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
+            raise ConfigError(
+                f"the model weights in {family.weights_dir(cfg.model)} changed since the run was created "
+                f"({shown}), and its committed stages used the old weights; restore them or start a new run"
+            )
     resolve_device(cfg.model.device)
     reason = EXPLORE_BACKENDS.get(cfg.explore.precision).unavailable_reason()
     if reason is not None:

@@ -33,6 +33,8 @@ class Run:
     config_hash: str
     #: sha256 of the prompt lists at creation (``RunConfig.prompts_digest``); None for runs made before it.
     prompts_sha256: str | None = None
+    #: ``storage.fingerprint.folder_fingerprint`` of the model weights at creation; None when not recorded.
+    weights: dict[str, str] | None = None
 
 
 def new_run_id(name: str) -> str:
@@ -47,8 +49,9 @@ def check_run_id(run_id: str) -> str:
     return run_id
 
 
-def create_run(cfg: RunConfig, run_id: str | None = None) -> Run:
-    """Create ``<storage.root>/<run_id>/run.json`` (atomically).
+def create_run(cfg: RunConfig, run_id: str | None = None, weights: dict[str, str] | None = None) -> Run:
+    """Create ``<storage.root>/<run_id>/run.json`` (atomically), recording the config, the prompts' digest and
+    the weights' fingerprint ``weights`` (``solrl.storage.fingerprint``; a resume refuses weights that changed).
 
     Raises:
         ConfigError: bad run id, a run of that id already exists (use ``solrl resume``), or the store cannot be
@@ -70,6 +73,7 @@ def create_run(cfg: RunConfig, run_id: str | None = None) -> Run:
                 "config": cfg.model_dump(mode="json"),
                 "config_hash": cfg.digest(),
                 "prompts_sha256": prompts,
+                "weights": weights,
                 "solrl_version": __version__,
                 "created": datetime.now(timezone.utc).isoformat(),
             },
@@ -79,7 +83,7 @@ def create_run(cfg: RunConfig, run_id: str | None = None) -> Run:
             f"cannot create run {run_id!r} in {run_dir.parent} ({exc.strerror or exc}); set "
             f"storage.root to a writable folder"
         ) from None
-    return Run(run_id, run_dir, cfg, cfg.digest(), prompts)
+    return Run(run_id, run_dir, cfg, cfg.digest(), prompts, weights)
 
 
 def open_run(root: str | Path, run_id: str) -> Run:
@@ -103,7 +107,7 @@ def open_run(root: str | Path, run_id: str) -> Run:
     if config_digest(data["config"]) != data.get("config_hash"):
         raise ConfigError(f"{run_dir / RUN_FILE}: config does not match its recorded hash; the file was edited")
     cfg = validate_config(data["config"], plugins=False)
-    return Run(run_id, run_dir, cfg, data["config_hash"], data.get("prompts_sha256"))
+    return Run(run_id, run_dir, cfg, data["config_hash"], data.get("prompts_sha256"), data.get("weights"))
 
 
 def list_runs(root: str | Path) -> list[dict[str, object]]:

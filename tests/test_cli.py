@@ -155,3 +155,48 @@ def test_bad_output_paths_are_one_line_errors(tmp_path: Path):
     blocker.write_text("x")
     result = runner.invoke(app, ["report", "r", "--store", str(run.run_dir.parent), "--plot", str(blocker / "x.png")])
     assert result.exit_code == 2 and "--plot" in result.stderr and "cannot write the PNG there" in result.stderr
+
+
+def test_resume_refuses_weights_that_changed_since_the_run_was_created(tmp_path: Path):
+    import shutil
+
+    from conftest import tiny_config
+
+    from solrl.stages.models import model_family
+    from solrl.stages.models.tiny_digits import TINY_DIGITS_WEIGHTS
+    from solrl.storage.runs import create_run
+
+    weights = tmp_path / "weights"
+    shutil.copytree(TINY_DIGITS_WEIGHTS, weights)
+    cfg = tiny_config(tmp_path / "store", f"model.path={weights}")
+    run = create_run(cfg, "w", weights=model_family(cfg.model).weights_fingerprint(cfg.model))
+    assert run.weights and "transformer/diffusion_pytorch_model.safetensors" in run.weights
+    store = str(run.run_dir.parent)
+    tensor_file = weights / "transformer" / "diffusion_pytorch_model.safetensors"
+    data = bytearray(tensor_file.read_bytes())
+    data[-100] ^= 0x01  # one bit of one weight
+    tensor_file.write_bytes(bytes(data))
+    result = runner.invoke(app, ["resume", "w", "--store", store])
+    assert result.exit_code == 2, result.output
+    assert "model weights in" in result.stderr and "transformer/diffusion_pytorch_model.safetensors" in result.stderr
+    assert "resuming" not in result.stdout
+
+
+def test_a_weights_fingerprint_samples_large_files_but_sees_size_and_sampled_changes(tmp_path: Path):
+    from solrl.storage.fingerprint import BLOCK, SAMPLES, changed_files, folder_fingerprint
+
+    big = tmp_path / "w" / "big.safetensors"
+    big.parent.mkdir()
+    data = bytearray(range(256)) * (BLOCK * SAMPLES * 4 // 256)
+    big.write_bytes(bytes(data))
+    (tmp_path / "w" / "config.json").write_text("{}")
+    (tmp_path / "w" / ".cache").mkdir()
+    (tmp_path / "w" / ".cache" / "lock").write_text("ignored")
+    before = folder_fingerprint(tmp_path / "w")
+    assert sorted(before) == ["big.safetensors", "config.json"]
+    data[-1] ^= 0xFF  # inside the last sampled block
+    big.write_bytes(bytes(data))
+    assert changed_files(before, folder_fingerprint(tmp_path / "w")) == ["big.safetensors"]
+    big.write_bytes(bytes(data) + b"x")
+    (tmp_path / "w" / "config.json").unlink()
+    assert changed_files(before, folder_fingerprint(tmp_path / "w")) == ["big.safetensors", "config.json"]

@@ -24,6 +24,7 @@ from torch import nn
 
 from solrl.config import ConfigError, ModelConfig, RunConfig
 from solrl.registry import MODELS
+from solrl.storage.fingerprint import folder_fingerprint
 
 #: What a text encoder gives the transformer for a batch of prompts: name -> tensor ``[B, ...]``.
 Conditioning = dict[str, torch.Tensor]
@@ -109,6 +110,16 @@ class ModelAdapter:
             if not (root / rel).exists():
                 where = f"; weights: {cls.weights_hint}" if cls.weights_hint else ""
                 raise ConfigError(f"model.path: {root / rel} is missing ({cls.name} weights){where}")
+
+    @classmethod
+    def weights_fingerprint(cls, cfg: ModelConfig) -> dict[str, str] | None:
+        """The fingerprint of the weights folder (``solrl.storage.fingerprint``) that a run records and a resume
+        compares; None when the folder does not exist yet (a tiny model built on first use, a hub download)."""
+        try:
+            root = cls.weights_dir(cfg)
+        except ConfigError:
+            return None
+        return folder_fingerprint(root) or None
 
     @classmethod
     def load(cls, cfg: ModelConfig, device: torch.device) -> ModelAdapter:
