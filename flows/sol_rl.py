@@ -92,6 +92,8 @@ def campaign(store: str, run_id: str) -> dict[str, float]:
     run = open_run(store, run_id)
     check_runnable(run.config, run.prompts_sha256, run.weights)
     logger = get_run_logger()
+    for warning in run.config.warnings():
+        logger.warning(warning)
     (_, start), *iterations = campaign_plan(run.config)
     with run_lock(run.run_dir):
         tracker = Tracker(run)

@@ -119,6 +119,8 @@ def run(
         created = create_run(cfg, run_id, weights=model_family(cfg.model).weights_fingerprint(cfg.model))
     except ConfigError as exc:
         _fail(str(exc))
+    for warning in cfg.warnings():
+        typer.echo(f"solrl: warning: {warning}", err=True)
     typer.echo(
         f"run {created.run_id}: {cfg.campaign.iterations} iterations, explore {cfg.explore.precision} "
         f"pool {cfg.explore.pool_size} -> keep {cfg.select.k}, store {created.run_dir}"

@@ -167,6 +167,13 @@ class TrainConfig(_Section):
     decay_rate: float = Field(0.001, ge=0, description="Rollout-policy decay d = min(decay_rate * step, decay_max).")
     decay_max: float = Field(0.5, ge=0, lt=1)
     ema_decay: float = Field(0.9, ge=0, lt=1, description="EMA of the policy adapter, for evaluation.")
+    spike_factor: float | None = Field(
+        10.0,
+        gt=1,
+        description="Skip (and count, and warn about) an optimizer step whose grad norm before clipping exceeds "
+        "this multiple of the median of the last spike_window steps' norms; null = never skip.",
+    )
+    spike_window: int = Field(32, ge=4, description="Grad norms kept for spike_factor's running median.")
 
 
 class RewardConfig(_Section):
@@ -256,6 +263,22 @@ class RunConfig(_Section):
     storage: StorageConfig = StorageConfig()
     tracking: TrackingConfig = TrackingConfig()
     campaign: CampaignConfig = CampaignConfig()
+
+    def warnings(self) -> list[str]:
+        """Settings that are valid but that a user should know about before a long run (pure)."""
+        found = []
+        if not self.regenerate.enabled and self.explore.precision != "bf16":
+            found.append(
+                f"regenerate.enabled=false with explore.precision={self.explore.precision}: the policy trains on "
+                f"the quantized explore samples (the naive-FP4 ablation), so its update is off-policy"
+                + (
+                    "; Flow-GRPO's ratio compares the policy with the quantized copy's log-probs"
+                    if self.train.loss == "flow_grpo"
+                    else ""
+                )
+                + ". Sol-RL regenerates the kept seeds in BF16 (regenerate.enabled=true)."
+            )
+        return found
 
     @model_validator(mode="after")
     def _cross_field_rules(self, info: ValidationInfo) -> RunConfig:

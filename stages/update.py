@@ -114,6 +114,8 @@ def update(
     g = torch.Generator().manual_seed(ctx.seed("update"))
     B = batch.x0.shape[0]
     rows, on_policy_dev = [], None
+    norms = list(start.state.get("grad_norms", [])) if start is not None else []  # the running window
+    skipped = 0
     for _ in range(tc.optimizer_steps):
         opt.zero_grad(set_to_none=True)
         chosen = torch.randperm(len(trainable), generator=g)[:n_t].tolist()
@@ -132,12 +134,18 @@ def update(
             raise FloatingPointError(
                 f"iteration {ctx.iteration}: non-finite grad norm {grad_norm}; lower train.lr or check the rewards"
             )
+        if is_spike(grad_norm, norms, tc.spike_factor):
+            skipped += 1
+            opt.zero_grad(set_to_none=True)
+            rows.append({"optimizer_step": step, **acc, "grad_norm": grad_norm, "rollout_decay": 0.0, "skipped": 1})
+            continue
+        norms = [*norms, grad_norm][-tc.spike_window :]
         opt.step()
         step += 1
         decay = loss_fn.rollout_decay(step, tc)
         policy.blend_("rollout", "policy", decay)
         policy.blend_("ema", "policy", tc.ema_decay)
-        rows.append({"optimizer_step": step, **acc, "grad_norm": grad_norm, "rollout_decay": decay})
+        rows.append({"optimizer_step": step, **acc, "grad_norm": grad_norm, "rollout_decay": decay, "skipped": 0})
 
     tensors, groups = optimizer_to_tensors(opt)
     TrainedState(
@@ -146,15 +154,46 @@ def update(
             "optimizer": tensors,
             "rng": {"update": g.get_state()},
         },
-        {"global_step": step, "optimizer_param_groups": groups},
+        {"global_step": step, "optimizer_param_groups": groups, "grad_norms": norms},
     ).write(out)
     table = pd.DataFrame(rows)
     UpdateMetrics(table).write(out)
-    metrics = {f"train/{c}": float(table[c].mean()) for c in table.columns if c != "optimizer_step"}
+    trained = table[table["skipped"] == 0]
+    metrics = {f"train/{c}": float(trained[c].mean()) for c in table.columns if c not in ("optimizer_step", "skipped")}
     metrics |= {
         "train/adv_abs_mean": float(np.abs(adv.values).mean()),
         "train/zero_std_ratio": adv.zero_std_ratio,
         "train/on_policy_max_dev": float(on_policy_dev or 0.0),
         "train/global_step": step,
+        "train/skipped_steps": skipped,
     }
-    return StageOutput(metrics=metrics)
+    warnings = []
+    if skipped:
+        median = float(np.median(norms)) if norms else float("nan")
+        warnings.append(
+            f"skipped {skipped} of {tc.optimizer_steps} optimizer steps whose grad norm (max "
+            f"{table.loc[table.skipped == 1, 'grad_norm'].max():.3g}) exceeded train.spike_factor="
+            f"{tc.spike_factor} x the running median {median:.3g}; check the rewards of this iteration"
+        )
+    bound = loss_fn.on_policy_bound
+    if bound is not None and (on_policy_dev or 0.0) > bound:
+        warnings.append(
+            f"train/on_policy_max_dev {on_policy_dev:.4f} exceeds {bound} for the on-policy loss {tc.loss}: the "
+            f"samples did not come from the policy being trained"
+            + (
+                " (regenerate.enabled=false trains on the explore copy's samples)"
+                if not ctx.cfg.regenerate.enabled
+                else ""
+            )
+        )
+    return StageOutput(metrics=metrics, info={"warnings": warnings})
+
+
+def is_spike(grad_norm: float, history: list[float], factor: float | None, min_history: int = 4) -> bool:
+    """Whether ``grad_norm`` (before clipping) exceeds ``factor`` x the median of ``history``, the norms of the
+    last steps taken; never with ``factor`` None or fewer than ``min_history`` norms. Skipping the updates of a
+    loss spike follows large-model practice (PaLM, Chowdhery et al. 2022, section 5.1, skipped the batches
+    around each spike); here the unit is one optimizer step."""
+    if factor is None or len(history) < min_history:
+        return False
+    return grad_norm > factor * float(np.median(history))

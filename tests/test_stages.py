@@ -277,6 +277,12 @@ def test_without_regenerate_the_update_trains_on_the_kept_explore_samples(tmp_pa
     assert attrs["precision"] == "nvfp4_emulated" and attrs["regenerated"] is False
     assert ("trajectory" in kept) == (loss == "flow_grpo")
     assert np.isfinite(manifest.metrics["train/loss"])
+    assert "the naive-FP4 ablation" in cfg.warnings()[0]  # said at load (solrl run, the campaign flow)
+    off_policy = [w for w in manifest.info["warnings"] if "on_policy_max_dev" in w]
+    if loss == "flow_grpo":  # on-policy by design, so trained on quantized log-probs it warns
+        assert manifest.metrics["train/on_policy_max_dev"] > 0.01 and off_policy, manifest.metrics
+    else:  # the NFT rollout lags the policy by design: no bound
+        assert off_policy == []
 
 
 def test_per_prompt_statistics_persist_across_iterations(tmp_path):
@@ -369,3 +375,36 @@ def test_the_candidate_pool_does_not_depend_on_the_explore_batch_size(tmp_path, 
     np.testing.assert_array_equal(pools["sample", 4], pools["sample", 256])  # per-sample activation scales
     if precision == "nvfp4_emulated":  # one scale per call: a sample depends on what else is in the batch
         assert (pools["call", 4] != pools["call", 256]).mean() > 0.1
+
+
+def test_an_update_step_whose_grad_norm_spikes_is_skipped_counted_and_warned(tmp_path, monkeypatch):
+    from conftest import tiny_config
+
+    from solrl.stages.losses.nft import NFT
+    from solrl.stages.update import is_spike
+
+    assert not is_spike(1e9, [1.0] * 3, 10.0) and is_spike(11.0, [1.0] * 4, 10.0) and not is_spike(9.0, [1.0] * 4, 10)
+    assert not is_spike(1e9, [1.0] * 8, None)
+    cfg = tiny_config(tmp_path, "train.optimizer_steps=4", "fidelity.audit_every=0")
+    run = create_run(cfg, "spike")
+    stages = [s.name for s in ITERATION if s.name not in ("audit", "evaluate")]
+    ctx = StageContext(cfg, run.run_dir, run.run_id, 1)
+    first = {stage: run_stage(ctx, stage)[0] for stage in stages}["update"]
+    assert first.metrics["train/skipped_steps"] == 0 and first.metrics["train/global_step"] == 4
+
+    terms = NFT.terms.__func__
+
+    def exploding(cls, *args, **kwargs):  # a loss 1e12 times the usual, as a broken reward would give
+        loss, parts, deviation = terms(cls, *args, **kwargs)
+        return loss * 1e12, parts, deviation
+
+    monkeypatch.setattr(NFT, "terms", classmethod(exploding))
+    ctx2 = StageContext(cfg, run.run_dir, run.run_id, 2)
+    second = {stage: run_stage(ctx2, stage)[0] for stage in stages}["update"]
+    assert second.metrics["train/skipped_steps"] == 4 and second.metrics["train/global_step"] == 4
+    assert any("skipped 4 of 4 optimizer steps" in w for w in second.info["warnings"])
+    table = pd.read_parquet(stage_dir(run.run_dir, 2, "update") / "metrics.parquet")
+    assert table["skipped"].tolist() == [1, 1, 1, 1] and (table["grad_norm"] > 1e6).all()
+    before = load_checkpoint(stage_dir(run.run_dir, 1, "checkpoint"))[0]["policy"]
+    after = load_checkpoint(stage_dir(run.run_dir, 2, "checkpoint"))[0]["policy"]
+    assert all(torch.equal(before[k], after[k]) for k in before)  # nothing applied

@@ -34,6 +34,9 @@ class PolicyLoss:
     """
 
     name: ClassVar[str]
+    #: The largest on-policy deviation (``terms``' third value) an on-policy loss expects before its first
+    #: update; the update warns above it. None: the rollout lags the policy by design (no bound).
+    on_policy_bound: ClassVar[float | None] = None
 
     @classmethod
     def validate_config(cls, cfg: RunConfig) -> None:
