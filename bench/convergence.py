@@ -19,6 +19,10 @@ own name (the reward-hacking defences of ``bench/results/defences.md`` were meas
 
 from __future__ import annotations
 
+import solrl  # noqa: F401  (first: solrl sets the OpenMP spin policy before torch loads)
+
+# isort: split
+
 import argparse
 import os
 import platform

@@ -11,6 +11,10 @@ Spearman rho, top-4/8/12 match, bottom false inclusion; mean true BF16 rank of t
 
 from __future__ import annotations
 
+import solrl  # noqa: F401  (first: solrl sets the OpenMP spin policy before torch loads)
+
+# isort: split
+
 import argparse
 import os
 import platform

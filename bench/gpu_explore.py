@@ -18,6 +18,10 @@ is set. On an H200 the emulated rows of FLUX and SD3.5 at batch 24 may take minu
 
 from __future__ import annotations
 
+import solrl  # noqa: F401  (first: solrl sets the OpenMP spin policy before torch loads)
+
+# isort: split
+
 import argparse
 import os
 import platform

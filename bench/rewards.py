@@ -12,6 +12,10 @@ GenEval-style, one warm-up batch, then ``--batches`` timed batches of ``--batch`
 
 from __future__ import annotations
 
+import solrl  # noqa: F401  (first: solrl sets the OpenMP spin policy before torch loads)
+
+# isort: split
+
 import argparse
 import os
 import platform

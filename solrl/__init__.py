@@ -6,8 +6,17 @@ and ``solrl.configs`` (``configs/``).
 """
 
 import logging
+import os
 
 __version__ = "0.1.0"
+
+#: OpenMP spin count solrl sets before torch loads, unless the user chose a wait policy. libgomp's threads
+#: (torch's CPU pool) busy-wait 300,000 spins by default between parallel regions, which on a shared 2-core
+#: machine makes two torch processes slow each other many times over (measured in issue 10: a matmul loop
+#: 1.9 s idle, 25 s beside another torch process, 4.0 s there with 10,000 spins, 1.9 s idle with them).
+OPENMP_SPINCOUNT = "10000"
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ.setdefault("GOMP_SPINCOUNT", OPENMP_SPINCOUNT)
 
 
 class _DropMessages(logging.Filter):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import tempfile
 
+import solrl  # noqa: E402, F401  (before torch: solrl sets the OpenMP spin policy, solrl/__init__.py)
+
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="solrl-prefect-"))
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
