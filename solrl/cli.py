@@ -129,6 +129,61 @@ def run(
 
 
 @app.command()
+def serve(
+    config: Annotated[
+        str, typer.Argument(help="Preset or YAML path: the default parameters of triggered and scheduled runs.")
+    ] = "tiny-digits",
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Default override (section.key=value).")] = None,
+    name: Annotated[str, typer.Option(help="Deployment name (the UI shows sol-rl/<name>).")] = "campaign",
+    cron: Annotated[str | None, typer.Option(help="Cron schedule of new campaigns, e.g. '0 2 * * *'.")] = None,
+    interval: Annotated[float | None, typer.Option(help="Interval schedule of new campaigns, in seconds.")] = None,
+    limit: Annotated[int, typer.Option(min=1, help="Campaigns of this deployment running at once.")] = 1,
+    on_busy: Annotated[
+        str, typer.Option(help="A trigger over the limit: wait (queued until a slot frees) or refuse (cancelled).")
+    ] = "wait",
+) -> None:
+    """Serve the campaign flow as a Prefect deployment: trigger, schedule and retry campaigns from the Prefect UI.
+
+    Needs a Prefect server (PREFECT_API_URL): start one with `prefect server start`, then
+    `PREFECT_API_URL=http://127.0.0.1:4200/api solrl serve`. Runs execute on this machine, one process each.
+    """
+    if on_busy not in ("wait", "refuse"):
+        _fail(f"--on-busy {on_busy!r}: choose wait or refuse")
+    if cron is not None and interval is not None:
+        _fail("give --cron or --interval, not both")
+    try:
+        cfg = load_config(config, set_ or [])
+    except ConfigError as exc:
+        _fail(str(exc))
+    _quiet_environment()
+    if not os.environ.get("PREFECT_API_URL"):
+        _fail(
+            "solrl serve needs a Prefect server: start one with `prefect server start` and set "
+            "PREFECT_API_URL=http://127.0.0.1:4200/api (a temporary server would vanish with this process)"
+        )
+    from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
+    from prefect.deployments.runner import EntrypointType
+
+    from solrl.flows.deployment import sol_rl
+
+    strategy = ConcurrencyLimitStrategy.ENQUEUE if on_busy == "wait" else ConcurrencyLimitStrategy.CANCEL_NEW
+    typer.echo(
+        f"serving sol-rl/{name} (default config {cfg.name}, at most {limit} at once, {on_busy} when busy); "
+        f"trigger from the Prefect UI or `prefect deployment run 'sol-rl/{name}'`",
+        err=True,
+    )
+    sol_rl.serve(
+        name=name,
+        parameters={"config": config, "overrides": list(set_ or [])},
+        cron=cron,
+        interval=interval,
+        global_limit=ConcurrencyLimitConfig(limit=limit, collision_strategy=strategy),
+        entrypoint_type=EntrypointType.MODULE_PATH,
+        print_starting_message=False,
+    )
+
+
+@app.command()
 def resume(run_id: Annotated[str, typer.Argument(help="The run to continue.")], store: StoreOption = "runs") -> None:
     """Continue a run: committed stages are skipped, the first stage without a manifest runs next."""
     try:

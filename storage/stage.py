@@ -31,7 +31,8 @@ MANIFEST = "_MANIFEST.json"
 #: Test-only fault injection (``tests/test_faults.py``): with ``SOLRL_FAULT=<iteration>:<stage>:<point>`` in the
 #: environment, the process SIGKILLs itself when that stage's commit reaches ``<point>``: ``write`` (the stage
 #: has written its first file into its temporary folder), ``renamed`` (the folder is in place, its manifest not
-#: yet written) or ``committed`` (the manifest is written, the next stage not begun).
+#: yet written) or ``committed`` (the manifest is written, the next stage not begun). A ``:raise`` suffix raises
+#: ``RuntimeError`` there instead: a failure the process survives (a failed Prefect flow run, for retry tests).
 FAULT_ENV = "SOLRL_FAULT"
 FAULT_POINTS = ("write", "renamed", "committed")
 _committing: tuple[int, str] | None = None
@@ -41,8 +42,13 @@ def fault_point(point: str) -> None:
     """SIGKILL this process if ``SOLRL_FAULT`` names the stage being committed and ``point`` (test-only hook;
     one environment lookup otherwise)."""
     spec = os.environ.get(FAULT_ENV)
-    if spec and _committing is not None and spec == f"{_committing[0]}:{_committing[1]}:{point}":
+    if not spec or _committing is None:
+        return
+    here = f"{_committing[0]}:{_committing[1]}:{point}"
+    if spec == here:
         os.kill(os.getpid(), signal.SIGKILL)
+    if spec == f"{here}:raise":
+        raise RuntimeError(f"fault injected at {here} ({FAULT_ENV})")
 
 
 class StageNotCommitted(FileNotFoundError):
