@@ -12,10 +12,14 @@ from __future__ import annotations
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.exceptions import TerminationSignal
+from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
+from solrl.flows.progress import current as current_progress
+from solrl.flows.progress import start as start_progress
 from solrl.stages.context import StageContext
-from solrl.stages.pipeline import campaign_plan, run_stage
+from solrl.stages.pipeline import ITERATION, campaign_plan, run_stage
 from solrl.stages.runnable import check_runnable
+from solrl.storage.html_report import write_report
 from solrl.storage.runs import open_run, run_lock
 from solrl.storage.stage import stage_dir
 from solrl.storage.tracking import Tracker
@@ -49,12 +53,29 @@ def stage_task(store: str, run_id: str, iteration: int, stage: str) -> dict:
     return {"manifest": manifest.model_dump(mode="json"), "skipped": skipped}
 
 
+_TRACKERS: dict[str, Tracker] = {}
+
+
+def _tracker(run) -> Tracker:
+    """One MLflow tracker per run and process: opening MLflow's sqlite store costs about 0.7 s, which every
+    iteration subflow paid before (8% of a tiny-digits iteration, ``bench/overhead.py``)."""
+    key = str(run.run_dir)
+    if key not in _TRACKERS:
+        _TRACKERS[key] = Tracker(run)
+    return _TRACKERS[key]
+
+
 def _run_and_track(store: str, run_id: str, iteration: int, stage: str, tracker: Tracker, retries: int) -> dict:
     """Run (or skip) a stage, then log its artifacts and metrics to MLflow unless they already are: a process
     killed between the stage's commit and its logging is caught up on resume. ``seconds/<stage>``, logged in
     the last batch after the artifacts, marks the stage as logged."""
+    progress = current_progress()
+    if progress is not None:
+        progress.stage_started(iteration, stage)
     result = stage_task.with_options(retries=retries)(store, run_id, iteration, stage)
     manifest = result["manifest"]
+    if progress is not None:
+        progress.stage_done(iteration, stage, manifest["seconds"], result["skipped"], manifest["metrics"])
     timing = f"seconds/{stage}"
     if not result["skipped"] or not tracker.has_metric(timing, iteration):
         if stage in _ARTIFACTS:
@@ -74,13 +95,23 @@ def sol_rl_iteration(store: str, run_id: str, iteration: int, stages: list[str])
     Returns the metrics of the stages (skipped stages contribute their recorded metrics too).
     """
     run = open_run(store, run_id)
-    tracker = Tracker(run)
+    tracker = _tracker(run)
     retries = run.config.campaign.stage_retries
     metrics: dict[str, float] = {}
     for stage in stages:
         result = _run_and_track(store, run_id, iteration, stage, tracker, retries)
         metrics.update(result["manifest"]["metrics"])
     return metrics
+
+
+def _log_report(run, tracker: Tracker) -> None:
+    """The HTML report page and its figures to MLflow (``report/``), as ``solrl report --html`` writes them."""
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory(prefix="solrl-report-") as tmp:
+        for path in write_report(run, [s.name for s in ITERATION], campaign_plan(run.config), Path(tmp)):
+            tracker.log_artifact(path, "report")
 
 
 @flow(name="sol-rl-campaign", flow_run_name="{run_id}")
@@ -96,21 +127,27 @@ def campaign(store: str, run_id: str) -> dict[str, float]:
         logger.warning(warning)
     (_, start), *iterations = campaign_plan(run.config)
     with run_lock(run.run_dir):
-        tracker = Tracker(run)
+        tracker = _tracker(run)
         metrics: dict[str, float] = {}
+        progress = start_progress(campaign_plan(run.config))
         try:
             for stage in start:
                 result = _run_and_track(store, run_id, 0, stage, tracker, run.config.campaign.stage_retries)
                 metrics |= result["manifest"]["metrics"]
             for iteration, stages in iterations:
-                metrics = sol_rl_iteration(store, run_id, iteration, stages)
-                shown = {k: round(v, 4) for k, v in metrics.items() if k.startswith(("eval/", "regenerate/reward_m"))}
-                logger.info("iteration %d/%d done: %s", iteration, run.config.campaign.iterations, shown)
+                # No heartbeat thread per iteration subflow: the campaign's own heartbeat already tells the server
+                # this process lives, and each subflow's thread cost up to 1 s to join at its end.
+                with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+                    metrics = sol_rl_iteration(store, run_id, iteration, stages)
+                logger.info(progress.summary(iteration))
         except (KeyboardInterrupt, TerminationSignal):  # Ctrl-C; SIGTERM (Prefect raises its TerminationSignal)
             tracker.finish("KILLED")
             raise
         except BaseException:
             tracker.finish("FAILED")
             raise
+        finally:
+            progress.close()
+        _log_report(run, tracker)
         tracker.finish()
     return metrics

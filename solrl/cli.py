@@ -33,10 +33,13 @@ def _fail(message: str, code: int = 2) -> None:
 
 
 def _quiet_environment() -> None:
-    """Defaults for a local, offline run; anything the user set wins."""
+    """Defaults for a local, offline run; anything the user set wins. On a terminal, Prefect's console shows
+    warnings only (the live progress line replaces its per-stage lines; the Prefect UI still gets them)."""
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("DO_NOT_TRACK", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if sys.stderr.isatty():
+        os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
 
 
 class Terminated(KeyboardInterrupt):
@@ -61,9 +64,11 @@ def _start_prefect_early() -> None:
 
 def _launch(store: str, run_id: str) -> None:
     _quiet_environment()
+    from solrl.flows.progress import enable_live
     from solrl.flows.server import prefect_api
     from solrl.flows.sol_rl import campaign
 
+    enable_live(sys.stderr.isatty())
     signal.signal(signal.SIGTERM, _raise_terminated)
     resume = f"continue with `solrl resume {run_id} --store {store}`"
     try:
@@ -244,6 +249,9 @@ def report(
     run_id: Annotated[str, typer.Argument(help="The run to summarise.")],
     store: StoreOption = "runs",
     plot: Annotated[Path | None, typer.Option(help="Also save the evaluation curves as a PNG here.")] = None,
+    html: Annotated[
+        Path | None, typer.Option("--html", help="Also write one self-contained HTML report page here.")
+    ] = None,
 ) -> None:
     """Per-iteration table of a run (evaluation, rewards, fidelity, seconds), from its manifests."""
     from rich.console import Console
@@ -311,6 +319,16 @@ def report(
     from solrl.stages.pipeline import campaign_plan
     from solrl.storage.audit import broken_manifests
 
+    if html is not None:
+        from solrl.storage.html_report import render_html
+
+        try:
+            html.write_text(
+                render_html(run_, [s.name for s in ITERATION], campaign_plan(run_.config)), encoding="utf-8"
+            )
+        except OSError as exc:
+            _fail(f"--html {html}: cannot write the page there ({exc.strerror or exc})")
+        typer.echo(f"report page written to {html}")
     broken = broken_manifests(run_.run_dir, campaign_plan(run_.config))
     if broken:
         _fail(

@@ -161,3 +161,77 @@ def test_the_readme_audit_snippet_runs_on_a_finished_run(finished: Path, monkeyp
     assert len(namespace["kept"]) == 2 * 4
     assert len(namespace["per_prompt"]) == 2 and set(namespace["per_prompt"]["candidates"]) == {8}
     assert len(namespace["every_iteration"]) == 2 * 2 * 4  # 2 iterations x 2 prompts x 4 kept seeds, 1 reward
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def rendered_figures(page: Path) -> tuple[int, int]:
+    """(figures, figures rendered) of a report page loaded in headless Chromium (Debian's package)."""
+    import re
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as profile:
+        dom = subprocess.run(
+            [
+                CHROMIUM,
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--no-first-run",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                f"--user-data-dir={profile}",
+                "--virtual-time-budget=5000",
+                "--dump-dom",
+                page.as_uri(),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        ).stdout
+    total = re.search(r'data-figures="(\d+)"', dom)
+    done = re.search(r'data-figures-rendered="(\d+)"', dom)
+    assert total and done, dom[:2000]
+    return int(total.group(1)), int(done.group(1))
+
+
+def test_report_html_is_one_self_contained_page_with_every_figure(finished: Path, tmp_path: Path):
+    page = tmp_path / "report.html"
+    result = runner.invoke(app, ["report", "done", "--store", str(finished), "--html", str(page)])
+    assert result.exit_code == 0, result.output
+    text = page.read_text()
+    for title in (
+        "Training reward",
+        "Evaluation rewards",
+        "Proxy fidelity",
+        "Guards: sample diversity and grid-artifact energy",
+        "Stage-time split",
+        "Best (left) and worst kept candidates per iteration",
+        "Evaluation samples, starting policy",
+        "<h2>Config</h2>",
+    ):
+        assert title in text, title
+    assert "src='http" not in text and 'src="http' not in text  # nothing fetched: self-contained
+    assert text.count("data:image/png;base64,") == 5 + 2 + 2  # curves and split, 2 grids, 2 evaluations
+    assert "Not committed yet" not in text
+    if CHROMIUM is None:
+        pytest.skip("Debian's chromium is not installed (.ci/run installs it)")
+    assert rendered_figures(page) == (9, 9)
+
+
+def test_report_html_of_a_run_that_died_mid_iteration_says_what_is_missing(finished: Path, tmp_path: Path):
+    store = copy_run(finished, tmp_path)
+    for stage in ("update", "checkpoint", "evaluate"):
+        shutil.rmtree(stage_dir(store / "done", 2, stage))
+    page = tmp_path / "died.html"
+    result = runner.invoke(app, ["report", "done", "--store", str(store), "--html", str(page)])
+    assert result.exit_code == 0, result.output
+    text = page.read_text()
+    assert "Not committed yet" in text and "iteration 2: update, checkpoint, evaluate" in text
+    assert "solrl resume done" in text
+    if CHROMIUM is not None:
+        total, rendered = rendered_figures(page)
+        assert total == rendered > 0

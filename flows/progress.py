@@ -1,0 +1,127 @@
+"""Campaign progress for people: one live line on a terminal, plain log lines elsewhere.
+
+The campaign flow reports each stage's start and end here. On a terminal (``solrl run`` / ``resume`` with
+stderr a TTY) a rich progress line shows iteration i/N, the current stage, elapsed time, the ETA and the
+latest evaluation; elsewhere (CI, a log file, ``nohup``) the flow's log gets one line per finished iteration
+with the same figures. The ETA is the mean seconds of the stages run so far in this process times the stages
+left in the plan (stages skipped on resume count neither way).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+#: Evaluation metrics shown in the progress line and the per-iteration log line, when the run has them.
+SHOWN = ("eval/digit_evaluator", "eval/digit_alignment", "eval/pickscore", "eval/diversity", "eval/grid_energy")
+
+
+def format_seconds(seconds: float) -> str:
+    """``h:mm:ss`` (``-:--:--`` when unknown)."""
+    if seconds != seconds or seconds < 0:  # nan
+        return "-:--:--"
+    s = int(round(seconds))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+class CampaignProgress:
+    """Progress of one campaign over its plan of ``(iteration, [stages])`` (``campaign_plan``).
+
+    Args:
+        plan: the campaign plan. live: draw a live line on ``console`` (a terminal); else only ``summary``
+            lines are produced, for the caller to log. console: where the live line goes (stderr by default).
+    """
+
+    def __init__(self, plan: Sequence[tuple[int, Sequence[str]]], live: bool, console: Console | None = None):
+        self.total = sum(len(stages) for _, stages in plan)
+        self.iterations = max(i for i, _ in plan)
+        self.done = 0
+        self.ran_seconds = 0.0
+        self.ran = 0
+        self.started = time.monotonic()
+        self.latest: dict[str, float] = {}
+        self._progress: Progress | None = None
+        if live:
+            self._progress = Progress(
+                TextColumn("[bold]{task.fields[where]}"),
+                BarColumn(bar_width=24),
+                TextColumn("{task.completed}/{task.total} stages"),
+                TimeElapsedColumn(),
+                TextColumn("ETA {task.fields[eta]}"),
+                TextColumn("{task.fields[evaluation]}"),
+                console=console or Console(stderr=True),
+                transient=False,
+            )
+            self._task = self._progress.add_task("campaign", total=self.total, where="", eta="", evaluation="")
+            self._progress.start()
+
+    @property
+    def eta(self) -> float:
+        """Seconds left: mean seconds of the stages run so far times the stages left (nan before any ran)."""
+        return (self.ran_seconds / self.ran) * (self.total - self.done) if self.ran else float("nan")
+
+    def evaluation(self) -> str:
+        return " ".join(f"{k.removeprefix('eval/')} {self.latest[k]:.3f}" for k in SHOWN if k in self.latest)
+
+    def _refresh(self, where: str) -> None:
+        if self._progress is not None:
+            self._progress.update(
+                self._task,
+                completed=self.done,
+                where=where,
+                eta=format_seconds(self.eta),
+                evaluation=self.evaluation(),
+            )
+
+    def stage_started(self, iteration: int, stage: str) -> None:
+        self._refresh(f"iteration {iteration}/{self.iterations} {stage}")
+
+    def stage_done(self, iteration: int, stage: str, seconds: float, skipped: bool, metrics: dict[str, float]) -> None:
+        """Count a stage; ``seconds`` feeds the ETA unless the stage was ``skipped`` (committed earlier)."""
+        self.done += 1
+        if not skipped:
+            self.ran += 1
+            self.ran_seconds += seconds
+        self.latest |= {k: v for k, v in metrics.items() if k.startswith("eval/")}
+        self._refresh(f"iteration {iteration}/{self.iterations} {stage} done")
+
+    def summary(self, iteration: int) -> str:
+        """The plain line for the end of ``iteration``: position, elapsed, ETA, latest evaluation."""
+        return (
+            f"iteration {iteration}/{self.iterations} done; {self.done}/{self.total} stages, elapsed "
+            f"{format_seconds(time.monotonic() - self.started)}, ETA {format_seconds(self.eta)}"
+            + (f"; {self.evaluation()}" if self.latest else "")
+        )
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+
+_current: CampaignProgress | None = None
+_live = False
+
+
+def enable_live(live: bool) -> None:
+    """Ask campaigns started in this process for the live line (the CLI: stderr is a terminal)."""
+    global _live
+    _live = live
+
+
+def start(plan: Sequence[tuple[int, Sequence[str]]]) -> CampaignProgress:
+    """The progress of the campaign starting now in this process (live if enabled); ``current()`` returns it
+    to the stage tasks of its iteration subflows."""
+    global _current
+    if _current is not None:
+        _current.close()
+    _current = CampaignProgress(plan, live=_live)
+    return _current
+
+
+def current() -> CampaignProgress | None:
+    """The progress of the campaign running in this process, if any."""
+    return _current

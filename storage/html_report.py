@@ -1,0 +1,180 @@
+"""One self-contained HTML page per run (``solrl report RUN_ID --html OUT.html``), from its committed files.
+
+The page holds, as inline PNGs: the training reward (explore pool and BF16 regenerated samples) and every
+evaluation reward over iterations; proxy fidelity (kept-seed rank agreement) and the full-pool audits; sample
+diversity and the grid-artifact energy; the seconds of each stage per iteration; each iteration's best/worst
+grid and the latest evaluation samples; then the config. A run that died mid-iteration shows what exists and
+lists the stages not committed. The campaign flow logs the same figures to MLflow (``report/``).
+
+A small script in the page records, once loaded, how many of its figures decoded
+(``<body data-figures-rendered="N" data-figures="M">``), so a headless browser can check the page.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+from collections.abc import Sequence
+from pathlib import Path
+
+import pandas as pd
+import yaml
+
+from solrl.storage.report import collect_metrics
+from solrl.storage.runs import Run
+from solrl.storage.stage import read_manifest, stage_dir
+
+#: (title, metric prefixes or names) of the curve figures, in page order.
+CURVES = (
+    ("Training reward", ("explore/reward_mean", "regenerate/reward_mean", "regenerate/reward_max")),
+    ("Evaluation rewards (held-out prompts, fixed seeds)", ("eval/",)),
+    ("Proxy fidelity (explore vs BF16 ranking)", ("fidelity/", "audit/")),
+    ("Guards: sample diversity and grid-artifact energy", ("eval/diversity", "eval/grid_energy")),
+)
+_GUARDS = ("eval/diversity", "eval/grid_energy")
+
+
+def _columns(frame: pd.DataFrame, wanted: Sequence[str]) -> list[str]:
+    found = []
+    for want in wanted:
+        matches = [c for c in frame.columns if c == want or (want.endswith("/") and c.startswith(want))]
+        found += [c for c in matches if c not in found]
+    return found
+
+
+def _png(fig) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def curve_figures(frame: pd.DataFrame) -> list[tuple[str, str]]:
+    """``(title, base64 PNG)`` of each curve figure that has data, and the stage-time split."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figures = []
+    for title, wanted in CURVES:
+        columns = _columns(frame, wanted)
+        if title.startswith("Evaluation"):
+            columns = [c for c in columns if c not in _GUARDS]
+        columns = [c for c in columns if frame[c].notna().any()]
+        if not columns:
+            continue
+        fig, axes = plt.subplots(1, len(columns), figsize=(3.6 * len(columns), 2.8), squeeze=False)
+        for ax, column in zip(axes[0], columns):
+            data = frame[["iteration", column]].dropna()
+            ax.plot(data["iteration"], data[column], marker="o", ms=3)
+            ax.set_title(column, fontsize=9)
+            ax.set_xlabel("iteration")
+            ax.grid(alpha=0.3)
+        fig.tight_layout()
+        figures.append((title, _png(fig)))
+        plt.close(fig)
+    seconds = frame.filter(like="seconds/").fillna(0)
+    if not seconds.empty:
+        fig, ax = plt.subplots(figsize=(9, 3.2))
+        bottom = None
+        for column in seconds.columns:
+            ax.bar(frame["iteration"], seconds[column], bottom=bottom, label=column.removeprefix("seconds/"))
+            bottom = seconds[column] if bottom is None else bottom + seconds[column]
+        ax.set(xlabel="iteration", ylabel="seconds", title="seconds per stage")
+        ax.legend(fontsize=7, ncol=5)
+        fig.tight_layout()
+        figures.append(("Stage-time split", _png(fig)))
+        plt.close(fig)
+    return figures
+
+
+def _image(path: Path) -> str | None:
+    return base64.b64encode(path.read_bytes()).decode() if path.is_file() else None
+
+
+def render_html(
+    run: Run,
+    stages: Sequence[str],
+    plan: Sequence[tuple[int, Sequence[str]]],
+    figures: list[tuple[str, str]] | None = None,
+) -> str:
+    """The report page of ``run`` (module doc). ``stages``: the iteration's stage names in order; ``plan``: the
+    campaign plan, to list what is not committed; ``figures``: ``curve_figures`` when already drawn."""
+    frame = collect_metrics(run.run_dir, tuple(stages))
+    if figures is None:
+        figures = curve_figures(frame) if not frame.empty else []
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'>",
+        f"<title>solrl run {html.escape(run.run_id)}</title>",
+        "<style>body{font-family:sans-serif;margin:2em;max-width:1200px}img{max-width:100%;display:block;"
+        "margin:.5em 0}pre{background:#f5f5f5;padding:1em;overflow:auto}table{border-collapse:collapse}"
+        "td,th{border:1px solid #ccc;padding:2px 6px;font-size:90%}</style></head><body>",
+        f"<h1>solrl run {html.escape(run.run_id)}</h1>",
+        f"<p>{html.escape(run.config.name)}: model {html.escape(run.config.model.family)}, explore "
+        f"{html.escape(run.config.explore.precision)} pool {run.config.explore.pool_size} -> keep "
+        f"{run.config.select.k}, loss {html.escape(run.config.train.loss)}, "
+        f"{run.config.campaign.iterations} iterations. Store: <code>{html.escape(str(run.run_dir))}</code></p>",
+    ]
+    pending = [
+        f"iteration {i}: {', '.join(s for s in names if read_manifest(run.run_dir, i, s) is None)}"
+        for i, names in plan
+        if any(read_manifest(run.run_dir, i, s) is None for s in names)
+    ]
+    if pending:
+        shown = pending[:3] + ([f"... and {len(pending) - 3} more iterations"] if len(pending) > 3 else [])
+        parts.append(
+            "<p><b>Not committed yet</b> (the run is running, died, or was stopped; "
+            f"<code>solrl resume {html.escape(run.run_id)}</code> continues it): "
+            + "; ".join(html.escape(p) for p in shown)
+            + "</p>"
+        )
+    if frame.empty:
+        parts.append("<p>No stage is committed yet.</p>")
+    else:
+        for title, png in figures:
+            parts.append(
+                f"<h2>{html.escape(title)}</h2><img alt='{html.escape(title)}' src='data:image/png;base64,{png}'>"
+            )
+    grids = []
+    for i, _ in plan:
+        png = _image(stage_dir(run.run_dir, i, "select") / "best_worst.png")
+        if png is not None and read_manifest(run.run_dir, i, "select") is not None:
+            grids.append(
+                f"<h3>iteration {i}</h3><img alt='best and worst, iteration {i}' src='data:image/png;base64,{png}'>"
+            )
+    if grids:
+        parts.append("<h2>Best (left) and worst kept candidates per iteration</h2>" + "".join(grids))
+    evaluated = [i for i, _ in plan if read_manifest(run.run_dir, i, "evaluate") is not None]
+    for i in dict.fromkeys([evaluated[0], evaluated[-1]] if evaluated else []):
+        png = _image(stage_dir(run.run_dir, i, "evaluate") / "samples.png")
+        if png is not None:
+            label = "starting policy" if i == 0 else f"iteration {i}"
+            parts.append(
+                f"<h2>Evaluation samples, {label}</h2><img alt='evaluation, {label}' src='data:image/png;base64,{png}'>"
+            )
+    config = yaml.safe_dump(run.config.model_dump(mode="json"), sort_keys=False)
+    parts.append(f"<h2>Config</h2><pre>{html.escape(config)}</pre>")
+    parts.append(
+        "<script>window.addEventListener('load',()=>{const i=[...document.images];"
+        "document.body.dataset.figures=i.length;"
+        "document.body.dataset.figuresRendered=i.filter(x=>x.complete&&x.naturalWidth>0).length;});</script>"
+    )
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def write_report(run: Run, stages: Sequence[str], plan: Sequence[tuple[int, Sequence[str]]], out: Path) -> list[Path]:
+    """Write ``report.html`` and each curve figure as its own PNG into the folder ``out`` (what the campaign
+    flow logs to MLflow); returns the paths written."""
+    out.mkdir(parents=True, exist_ok=True)
+    frame = collect_metrics(run.run_dir, tuple(stages))
+    figures = curve_figures(frame) if not frame.empty else []
+    page = out / "report.html"
+    page.write_text(render_html(run, stages, plan, figures), encoding="utf-8")
+    written = [page]
+    for title, png in figures:
+        path = out / ("".join(ch if ch.isalnum() else "_" for ch in title.lower()).strip("_")[:60] + ".png")
+        path.write_bytes(base64.b64decode(png))
+        written.append(path)
+    return written
