@@ -202,7 +202,7 @@ def report(frame: pd.DataFrame, target: float) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--presets", nargs="+", default=list(PRESETS))
+    parser.add_argument("--presets", nargs="*", default=list(PRESETS))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--iterations", type=int, default=20)
     parser.add_argument("--out", type=Path, default=Path("bench/results"))

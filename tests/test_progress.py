@@ -1,0 +1,38 @@
+"""The campaign progress line (terminal) and its plain per-iteration log line (elsewhere)."""
+
+from __future__ import annotations
+
+import io
+
+from rich.console import Console
+
+from solrl.flows.progress import CampaignProgress, format_seconds
+
+
+def test_the_live_line_shows_iteration_stage_elapsed_eta_and_the_latest_evaluation():
+    plan = [(0, ["evaluate"]), (1, ["explore", "update", "evaluate"]), (2, ["explore", "update", "evaluate"])]
+    out = io.StringIO()
+    progress = CampaignProgress(plan, live=True, console=Console(file=out, force_terminal=True, width=200))
+    progress.stage_started(0, "evaluate")
+    progress.stage_done(0, "evaluate", 2.0, skipped=False, metrics={"eval/digit_evaluator": 0.43})
+    progress.stage_started(1, "explore")
+    progress.stage_done(1, "explore", 4.0, skipped=False, metrics={"explore/reward_mean": 0.5})
+    progress.stage_started(1, "update")
+    progress.close()
+    text = out.getvalue()
+    assert "iteration 1/2 update" in text and "2/7 stages" in text
+    assert "ETA 0:00:15" in text  # 3 s per stage run so far x 5 stages left
+    assert "digit_evaluator 0.430" in text
+
+
+def test_skipped_stages_count_toward_progress_but_not_toward_the_eta():
+    plan = [(0, ["evaluate"]), (1, ["explore", "update"])]
+    progress = CampaignProgress(plan, live=False)
+    progress.stage_done(0, "evaluate", 100.0, skipped=True, metrics={})
+    assert progress.eta != progress.eta  # nan: nothing ran in this process yet
+    progress.stage_done(1, "explore", 6.0, skipped=False, metrics={"eval/diversity": 0.2})
+    assert progress.eta == 6.0
+    line = progress.summary(1)
+    assert line.startswith("iteration 1/1 done; 2/3 stages, elapsed 0:00:0") and "ETA 0:00:06" in line
+    assert line.endswith("diversity 0.200")
+    assert format_seconds(3725) == "1:02:05" and format_seconds(float("nan")) == "-:--:--"
