@@ -79,7 +79,8 @@ def run_one(
         ],
     )
     label = label or preset
-    run = create_run(cfg, f"{label}-seed{seed}")
+    safe = "".join(ch if ch.isalnum() or ch in "._-" else "_" for ch in label)  # a variant name may hold '+'
+    run = create_run(cfg, f"{safe}-seed{seed}")
     for iteration, stages in campaign_plan(cfg):
         ctx = StageContext(cfg, run.run_dir, run.run_id, iteration)
         for stage in stages:
