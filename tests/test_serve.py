@@ -48,7 +48,7 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 180) -> Non
 
 @pytest.fixture(scope="module")
 def prefect(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    """A real Prefect server and two `solrl serve` processes: deployment ``campaign`` and deployment ``faulty``,
+    """A real Prefect server and two `solrl serve` processes: deployment ``served`` and deployment ``faulty``,
     whose runs fail in iteration 2 right after select commits (``SOLRL_FAULT``), once."""
     home = tmp_path_factory.mktemp("prefect-home")
     port = _free_port()
@@ -69,7 +69,7 @@ def prefect(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]
     try:
         _wait_healthy(api, server)
         solrl = [sys.executable, "-m", "solrl.cli", "serve"]
-        for name, extra in (("campaign", {}), ("faulty", {FAULT_ENV: "2:select:committed:raise"})):
+        for name, extra in (("served", {}), ("faulty", {FAULT_ENV: "2:select:committed:raise"})):
             serves.append(
                 subprocess.Popen(
                     [*solrl, "--name", name],
@@ -79,7 +79,7 @@ def prefect(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]
                     start_new_session=True,
                 )
             )
-        yield {"api": api, "home": str(home), "logs": str(logs)}
+        yield {"api": api, "home": str(home), "logs": str(logs), "env": env}
     finally:
         for proc in [*serves, server]:
             proc.terminate()
@@ -129,7 +129,7 @@ def _logs(prefect: dict[str, str]) -> str:
 def test_a_campaign_triggered_through_the_api_with_parameters_runs_to_completion(prefect, tmp_path: Path):
     store = tmp_path / "store"
     with _client(prefect) as client:
-        deployment = _deployment_ready(client, "campaign")
+        deployment = _deployment_ready(client, "served")
         form = deployment.parameter_openapi_schema["properties"]
         assert {"config", "overrides", "iterations", "run_id", "store"} <= set(form)
         assert form["iterations"]["anyOf"][0]["minimum"] == 1  # validated by the UI form and the API
@@ -186,3 +186,35 @@ def test_a_run_failed_in_iteration_2_and_retried_from_the_ui_does_not_redo_commi
         for stage in stages:
             assert read_manifest(run_dir, iteration, stage, verify=True), (iteration, stage)
     shutil.rmtree(store)
+
+
+def test_the_prefect_yaml_deploys_to_a_work_pool_whose_worker_runs_the_campaign(prefect, tmp_path: Path):
+    """The README's path for a server with workers: work pool, `prefect deploy --all` of the repo's
+    prefect.yaml, a process worker, a triggered campaign."""
+    env, root = prefect["env"], Path(__file__).resolve().parents[1]
+    prefect_cli = str(Path(sys.executable).with_name("prefect"))
+    for command in (["work-pool", "create", "solrl", "--type", "process"], ["--no-prompt", "deploy", "--all"]):
+        done = subprocess.run([prefect_cli, *command], env=env, cwd=root, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    worker = subprocess.Popen(
+        [prefect_cli, "worker", "start", "--pool", "solrl"],
+        env=env,
+        cwd=tmp_path,
+        stdout=open(Path(prefect["logs"]) / "worker.log", "w"),  # noqa: SIM115
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        with _client(prefect) as client:
+            deployment = _deployment_ready(client, "campaign")
+            assert deployment.work_pool_name == "solrl" and deployment.entrypoint == "solrl.flows.deployment.sol_rl"
+            flow_run = client.create_flow_run_from_deployment(
+                deployment.id, parameters={"overrides": OVERRIDES, "iterations": 1, "store": str(tmp_path / "store")}
+            )
+            final = _wait_final(client, flow_run.id)
+            assert final.state.is_completed(), f"{final.state}\n{_logs(prefect)}"
+    finally:
+        worker.terminate()
+        worker.wait(timeout=30)
+    (run_dir,) = [p.parent for p in (tmp_path / "store").glob("*/run.json")]
+    assert read_manifest(run_dir, 1, "checkpoint", verify=True)
