@@ -121,6 +121,8 @@ class Tracker:
         stored = json.loads(state_file.read_text()) if state_file.exists() else {}
         if stored.get("mlflow_run_id") and stored.get("tracking_uri") == self.uri:
             self.mlflow_run_id = stored["mlflow_run_id"]
+            # A resumed run is running again (it was KILLED, FAILED, or left RUNNING by a SIGKILL).
+            client.update_run(self.mlflow_run_id, status="RUNNING")
         else:
             created = client.create_run(
                 experiment_id,

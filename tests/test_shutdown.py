@@ -77,6 +77,11 @@ def test_ctrl_c_to_the_process_group_exits_130_leaves_no_child_and_resumes(tmp_p
     assert mlflow_status(store) == "KILLED"
     assert read_manifest(store / "ctrlc", 2, "checkpoint") is None
 
+    from solrl.storage.runs import open_run
+    from solrl.storage.tracking import Tracker
+
+    Tracker(open_run(store, "ctrlc"))  # what a resume does first: the MLflow run is running again
+    assert mlflow_status(store) == "RUNNING"
     result = subprocess.run(
         [*SOLRL, "resume", "ctrlc", "--store", str(store)], env=ENV, capture_output=True, text=True, timeout=600
     )
