@@ -64,8 +64,10 @@ class TemporaryServer:
         self._log: Path | None = None
 
     def start(self) -> TemporaryServer:
-        import prefect
+        import importlib.util
 
+        spec = importlib.util.find_spec("prefect")  # its folder, without the second it takes to import it
+        assert spec is not None and spec.origin is not None, "prefect is not installed"
         home = Path(os.environ.get("PREFECT_HOME", Path.home() / ".prefect")).expanduser()
         home.mkdir(parents=True, exist_ok=True)
         self._log = home / f"solrl-server-{self.port}.log"
@@ -84,7 +86,7 @@ class TemporaryServer:
                     "-m",
                     "uvicorn",
                     "--app-dir",
-                    str(Path(prefect.__file__).parent.parent),
+                    str(Path(spec.origin).parent.parent),
                     "--factory",
                     "prefect.server.api.server:create_app",
                     "--host",
