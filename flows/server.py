@@ -9,7 +9,7 @@ Prefect's ephemeral mode does) with three differences:
 - the child asks the kernel for SIGTERM when its parent dies (Linux ``PR_SET_PDEATHSIG``), so no signal to
   solrl, SIGKILL included, leaves it behind; and it runs in its own session, so a Ctrl-C to solrl's process
   group does not stop it before solrl has recorded the interruption;
-- it starts in the background as soon as the command line is parsed, while torch and the models load;
+- it starts in the background once the command line and the run are checked, while the flow's modules load;
 - the wait for its health check is ``SOLRL_PREFECT_START_TIMEOUT`` seconds (default 180), not 20.
 """
 

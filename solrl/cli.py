@@ -53,8 +53,8 @@ def _raise_terminated(signum: int, frame: object) -> None:
 
 
 def _start_prefect_early() -> None:
-    """Start the temporary Prefect server in the background (unless PREFECT_API_URL is set) while the rest of
-    the command loads; SIGTERM unwinds like Ctrl-C from here on."""
+    """Start the temporary Prefect server in the background (unless PREFECT_API_URL is set) while the flow's
+    modules load; SIGTERM unwinds like Ctrl-C from here on."""
     _quiet_environment()
     signal.signal(signal.SIGTERM, _raise_terminated)
     from solrl.flows.server import start_early
@@ -115,12 +115,12 @@ def run(
     """Start a new campaign from a preset (default tiny-digits)."""
     try:
         cfg = load_config(config, set_ or [])
-        _start_prefect_early()
         from solrl.stages.models import model_family
         from solrl.stages.runnable import check_runnable
         from solrl.storage.runs import create_run
 
         check_runnable(cfg)
+        _start_prefect_early()  # after the checks: bad input exits at once, with no server to stop
         created = create_run(cfg, run_id, weights=model_family(cfg.model).weights_fingerprint(cfg.model))
     except ConfigError as exc:
         _fail(str(exc))
@@ -195,12 +195,12 @@ def resume(run_id: Annotated[str, typer.Argument(help="The run to continue.")], 
         from solrl.storage.runs import open_run, run_lock
 
         run_ = open_run(store, run_id)
-        _start_prefect_early()
         from solrl.stages.runnable import check_runnable
 
         check_runnable(run_.config, run_.prompts_sha256, run_.weights)
         with run_lock(run_.run_dir):  # refuse now, not after Prefect has started, when another process runs it
             pass
+        _start_prefect_early()
     except ConfigError as exc:
         _fail(str(exc))
     from solrl.stages.context import StageContext
