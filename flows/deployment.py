@@ -22,6 +22,9 @@ def sol_rl(
     overrides: Annotated[
         list[str], Field(description="section.key=value overrides, as solrl run --set takes them.")
     ] = [],  # noqa: B006 - Prefect copies parameters per run; a list shows as a list field in the UI form
+    base_overrides: Annotated[
+        list[str], Field(description="The served config's overrides (solrl serve --set), applied before overrides.")
+    ] = [],  # noqa: B006
     iterations: Annotated[int | None, Field(ge=1, description="campaign.iterations (empty: the config's).")] = None,
     run_id: Annotated[
         str | None,
@@ -47,7 +50,7 @@ def sol_rl(
     from solrl.storage.runs import RUN_FILE, create_run
 
     logger = get_run_logger()
-    extra = [*overrides, *([f"campaign.iterations={iterations}"] if iterations else [])]
+    extra = [*base_overrides, *overrides, *([f"campaign.iterations={iterations}"] if iterations else [])]
     cfg = load_config(config, [*extra, *([f"storage.root={store}"] if store else [])])
     root = Path(cfg.storage.root).expanduser().resolve()
     run_id = run_id or f"{cfg.name}-{str(flow_run.get_id())[:8]}"

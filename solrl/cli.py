@@ -6,9 +6,11 @@ unknown run) is one line on stderr, exit code 2, and nothing written.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
 
@@ -48,15 +50,36 @@ class Terminated(KeyboardInterrupt):
     server is stopped."""
 
 
+_terminated = False
+
+
 def _raise_terminated(signum: int, frame: object) -> None:
+    global _terminated
+    _terminated = True
     raise Terminated()
+
+
+@contextlib.contextmanager
+def _stoppable(resume: list[str]) -> Iterator[None]:
+    """SIGTERM (exit 143) and Ctrl-C (exit 130) while a command checks and creates its run, before the campaign
+    starts: one line, with how to continue once ``resume`` holds ``[run_id, store]``. A SIGTERM that lands inside
+    a library (an import, a serializer) may surface wrapped in another exception: the flag tells."""
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    except typer.Exit:
+        raise
+    except BaseException as exc:
+        if not (_terminated or isinstance(exc, KeyboardInterrupt)):
+            raise
+        hint = f"; continue with `solrl resume {resume[0]} --store {resume[1]}`" if resume else ""
+        _fail(("terminated (SIGTERM)" if _terminated else "interrupted") + hint, 143 if _terminated else 130)
 
 
 def _start_prefect_early() -> None:
     """Start the temporary Prefect server in the background (unless PREFECT_API_URL is set) while the flow's
-    modules load; SIGTERM unwinds like Ctrl-C from here on."""
+    modules load."""
     _quiet_environment()
-    signal.signal(signal.SIGTERM, _raise_terminated)
     from solrl.flows.server import start_early
 
     start_early()
@@ -69,7 +92,7 @@ def _launch(store: str, run_id: str) -> None:
     from solrl.flows.sol_rl import campaign
 
     enable_live(sys.stderr.isatty())
-    signal.signal(signal.SIGTERM, _raise_terminated)
+    signal.signal(signal.SIGTERM, _raise_terminated)  # also for callers without _stoppable
     resume = f"continue with `solrl resume {run_id} --store {store}`"
     try:
         with prefect_api():
@@ -81,6 +104,8 @@ def _launch(store: str, run_id: str) -> None:
     except KeyboardInterrupt:
         _fail(f"interrupted; {resume}", 130)
     except Exception as exc:  # the flow already logged the traceback
+        if _terminated:  # a SIGTERM that a library wrapped in its own exception
+            _fail(f"terminated (SIGTERM); {resume}", 143)
         _fail(
             f"{exc.__class__.__name__}: {exc}\n  committed stages are kept; continue with "
             f"`solrl resume {run_id} --store {store}`",
@@ -113,24 +138,27 @@ def run(
     run_id: Annotated[str | None, typer.Option("--run-id", help="Name of the run (default: preset-time-hex).")] = None,
 ) -> None:
     """Start a new campaign from a preset (default tiny-digits)."""
-    try:
-        cfg = load_config(config, set_ or [])
-        from solrl.stages.models import model_family
-        from solrl.stages.runnable import check_runnable
-        from solrl.storage.runs import create_run
+    made: list[str] = []  # [run id, store] once the run exists
+    with _stoppable(made):
+        try:
+            cfg = load_config(config, set_ or [])
+            from solrl.stages.models import model_family
+            from solrl.stages.runnable import check_runnable
+            from solrl.storage.runs import create_run
 
-        check_runnable(cfg)
-        _start_prefect_early()  # after the checks: bad input exits at once, with no server to stop
-        created = create_run(cfg, run_id, weights=model_family(cfg.model).weights_fingerprint(cfg.model))
-    except ConfigError as exc:
-        _fail(str(exc))
-    for warning in cfg.warnings():
-        typer.echo(f"solrl: warning: {warning}", err=True)
-    typer.echo(
-        f"run {created.run_id}: {cfg.campaign.iterations} iterations, explore {cfg.explore.precision} "
-        f"pool {cfg.explore.pool_size} -> keep {cfg.select.k}, store {created.run_dir}"
-    )
-    _launch(str(created.run_dir.parent), created.run_id)
+            check_runnable(cfg)
+            _start_prefect_early()  # after the checks: bad input exits at once, with no server to stop
+            created = create_run(cfg, run_id, weights=model_family(cfg.model).weights_fingerprint(cfg.model))
+            made += [created.run_id, str(created.run_dir.parent)]
+        except ConfigError as exc:
+            _fail(str(exc))
+        for warning in cfg.warnings():
+            typer.echo(f"solrl: warning: {warning}", err=True)
+        typer.echo(
+            f"run {created.run_id}: {cfg.campaign.iterations} iterations, explore {cfg.explore.precision} "
+            f"pool {cfg.explore.pool_size} -> keep {cfg.select.k}, store {created.run_dir}"
+        )
+        _launch(str(created.run_dir.parent), created.run_id)
 
 
 @app.command()
@@ -141,7 +169,9 @@ def serve(
     set_: Annotated[list[str] | None, typer.Option("--set", help="Default override (section.key=value).")] = None,
     name: Annotated[str, typer.Option(help="Deployment name (the UI shows sol-rl/<name>).")] = "campaign",
     cron: Annotated[str | None, typer.Option(help="Cron schedule of new campaigns, e.g. '0 2 * * *'.")] = None,
-    interval: Annotated[float | None, typer.Option(help="Interval schedule of new campaigns, in seconds.")] = None,
+    interval: Annotated[
+        float | None, typer.Option(min=1, help="Interval schedule of new campaigns, in seconds.")
+    ] = None,
     limit: Annotated[int, typer.Option(min=1, help="Campaigns of this deployment running at once.")] = 1,
     on_busy: Annotated[
         str, typer.Option(help="A trigger over the limit: wait (queued until a slot frees) or refuse (cancelled).")
@@ -166,8 +196,18 @@ def serve(
             "solrl serve needs a Prefect server: start one with `prefect server start` and set "
             "PREFECT_API_URL=http://127.0.0.1:4200/api (a temporary server would vanish with this process)"
         )
+    if "/" in name:
+        _fail(f"--name {name!r}: a deployment name cannot contain '/'")
+    import httpx
+
+    api = os.environ["PREFECT_API_URL"].rstrip("/")
+    try:
+        httpx.get(f"{api}/health", timeout=10).raise_for_status()
+    except (httpx.HTTPError, ValueError) as exc:
+        _fail(f"PREFECT_API_URL={api}: no Prefect server answers there ({exc.__class__.__name__}: {exc})")
     from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
     from prefect.deployments.runner import EntrypointType
+    from pydantic import ValidationError
 
     from solrl.flows.deployment import sol_rl
 
@@ -177,44 +217,50 @@ def serve(
         f"trigger from the Prefect UI or `prefect deployment run 'sol-rl/{name}'`",
         err=True,
     )
-    sol_rl.serve(
-        name=name,
-        parameters={"config": config, "overrides": list(set_ or [])},
-        cron=cron,
-        interval=interval,
-        global_limit=ConcurrencyLimitConfig(limit=limit, collision_strategy=strategy),
-        entrypoint_type=EntrypointType.MODULE_PATH,
-        print_starting_message=False,
-    )
+    try:
+        sol_rl.serve(
+            name=name,
+            parameters={"config": config, "base_overrides": list(set_ or [])},
+            cron=cron,
+            interval=interval,
+            global_limit=ConcurrencyLimitConfig(limit=limit, collision_strategy=strategy),
+            entrypoint_type=EntrypointType.MODULE_PATH,
+            print_starting_message=False,
+        )
+    except ValidationError as exc:  # a schedule Prefect refuses (e.g. --cron 'not a cron')
+        _fail("; ".join(f"{'.'.join(map(str, e['loc'])) or 'schedule'}: {e['msg']}" for e in exc.errors()))
+    except (ValueError, httpx.HTTPError) as exc:
+        _fail(f"{exc.__class__.__name__}: {exc}")
 
 
 @app.command()
 def resume(run_id: Annotated[str, typer.Argument(help="The run to continue.")], store: StoreOption = "runs") -> None:
     """Continue a run: committed stages are skipped, the first stage without a manifest runs next."""
-    try:
-        from solrl.storage.runs import open_run, run_lock
+    with _stoppable([run_id, store]):
+        try:
+            from solrl.storage.runs import open_run, run_lock
 
-        run_ = open_run(store, run_id)
-        from solrl.stages.runnable import check_runnable
+            run_ = open_run(store, run_id)
+            from solrl.stages.runnable import check_runnable
 
-        check_runnable(run_.config, run_.prompts_sha256, run_.weights)
-        with run_lock(run_.run_dir):  # refuse now, not after Prefect has started, when another process runs it
-            pass
+            check_runnable(run_.config, run_.prompts_sha256, run_.weights)
+            with run_lock(run_.run_dir):  # refuse now, not after Prefect has started, when another process runs it
+                pass
+        except ConfigError as exc:
+            _fail(str(exc))
+        from solrl.stages.context import StageContext
+        from solrl.stages.pipeline import first_pending
+
+        pending = first_pending(StageContext(run_.config, run_.run_dir, run_id, 0, run_.config_hash))
+        if pending is None:
+            typer.echo(
+                f"run {run_id} is complete ({run_.config.campaign.iterations} iterations committed); "
+                f"nothing to do. See `solrl report {run_id} --store {store}`."
+            )
+            return
         _start_prefect_early()
-    except ConfigError as exc:
-        _fail(str(exc))
-    from solrl.stages.context import StageContext
-    from solrl.stages.pipeline import first_pending
-
-    pending = first_pending(StageContext(run_.config, run_.run_dir, run_id, 0, run_.config_hash))
-    if pending is None:
-        typer.echo(
-            f"run {run_id} is complete ({run_.config.campaign.iterations} iterations committed); "
-            f"nothing to do. See `solrl report {run_id} --store {store}`."
-        )
-        return
-    typer.echo(f"resuming run {run_id} at iteration {pending[0]}, stage {pending[1]}")
-    _launch(str(run_.run_dir.parent), run_id)
+        typer.echo(f"resuming run {run_id} at iteration {pending[0]}, stage {pending[1]}")
+        _launch(str(run_.run_dir.parent), run_id)
 
 
 @app.command("ls")
@@ -343,7 +389,7 @@ def _open_iteration(store: str, run_id: str, iteration: int | None):
     or the iteration does not exist."""
     from solrl.stages.pipeline import campaign_plan
     from solrl.storage.runs import open_run
-    from solrl.storage.stage import iteration_dir
+    from solrl.storage.stage import read_manifest
 
     try:
         run_ = open_run(store, run_id)
@@ -351,8 +397,8 @@ def _open_iteration(store: str, run_id: str, iteration: int | None):
         _fail(str(exc))
     plan = dict(campaign_plan(run_.config))
     if iteration is None:
-        started = [i for i in plan if iteration_dir(run_.run_dir, i).exists()]
-        iteration = started[-1] if started else 0
+        begun = [i for i, stages in plan.items() if any(read_manifest(run_.run_dir, i, s) for s in stages)]
+        iteration = begun[-1] if begun else 0
     if iteration not in plan:
         _fail(
             f"run {run_id} has no iteration {iteration}: its campaign has iterations 0 (the starting policy's "
@@ -397,7 +443,10 @@ def inspect(
         colour = {"committed": "green", "corrupted": "red", "incomplete": "yellow"}.get(state, "dim")
         stages.add_row(stage, f"[{colour}]{state}[/{colour}]", f"{seconds:.2f}" if seconds is not None else "")
     console.print(stages)
-    state_of = found.states.get
+
+    def state_of(stage: str) -> str:
+        return found.states.get(stage) or f"not run at iteration {iteration}"
+
     show("candidate pool: weighted reward per prompt", found.pool, f"score_explore {state_of('score_explore')}")
     show("kept seeds", found.selection, f"select {state_of('select')}")
     show("proxy fidelity per prompt (kept seeds)", found.fidelity, f"score_regenerate {state_of('score_regenerate')}")
@@ -407,12 +456,22 @@ def inspect(
     if figures:
         console.print("fidelity figures: " + ", ".join(f"{k} {v:.4f}" for k, v in sorted(figures.items())))
     missing = [s for s, state in found.states.items() if state in ("missing", "incomplete")]
-    if missing:
+    from solrl.storage.runs import run_lock
+
+    try:
+        with run_lock(run_.run_dir):
+            running = False
+    except ConfigError:
+        running = True
+    if missing and running:
+        console.print(f"not committed yet: {', '.join(missing)}; another process is running this run now")
+    elif missing:
         console.print(f"not committed: {', '.join(missing)}; `solrl resume {run_id} --store {store}` runs them")
     corrupted = [s for s, state in found.states.items() if state == "corrupted"]
     if corrupted:
         _fail(
-            f"run {run_id} iteration {iteration}: {', '.join(corrupted)} fail verification (a manifest is unreadable "
+            f"run {run_id} iteration {iteration}: {', '.join(corrupted)} "
+            f"{'fails' if len(corrupted) == 1 else 'fail'} verification (a manifest is unreadable "
             f"or a file changed since it was committed); their files are not shown, and `solrl resume {run_id} "
             f"--store {store}` recomputes them"
         )
@@ -423,7 +482,9 @@ def show(
     run_id: Annotated[str, typer.Argument(help="The run.")],
     iteration: Annotated[int, typer.Option(help="Iteration whose candidate pool to draw.")],
     prompt: Annotated[str, typer.Option(help="The prompt: its index in the iteration, its text, or a unique part.")],
-    out: Annotated[Path | None, typer.Option(help="PNG to write (default: <run>-iter<N>-prompt<i>.png).")] = None,
+    out: Annotated[
+        Path | None, typer.Option(help="PNG (or folder) to write (default: <run>-iter<N>-prompt<i>.png).")
+    ] = None,
     store: StoreOption = "runs",
 ) -> None:
     """Draw one prompt's whole candidate pool, ordered by explore reward, the kept seeds marked."""
@@ -437,13 +498,16 @@ def show(
     except StageNotCommitted:
         _fail(
             f"run {run_id} iteration {iteration}: no verified candidate pool and rewards (explore and "
-            f"score_explore must be committed; `solrl inspect {run_id} --iteration {iteration}` shows their state)"
+            f"score_explore must be committed; `solrl inspect {run_id} --iteration {iteration} --store {store}` shows "
+            f"their state)"
         )
     except LookupError as exc:
         _fail(str(exc))
-    if out is None:
-        safe = "".join(ch if ch.isalnum() else "-" for ch in prompt)[:40]
-        out = Path(f"{run_id}-iter{iteration}-prompt-{safe}.png")
+    default = f"{run_id}-iter{iteration}-prompt{view.group}.png"
+    if out is None or out.is_dir():
+        out = (out or Path()) / default
+    elif out.suffix.lower() != ".png":
+        _fail(f"--out {out}: give a .png file (or a folder, for {default})")
     kept = sum(k is not None for k in view.kept_as)
     try:
         save_pool_grid(

@@ -140,6 +140,7 @@ class PoolView:
     """One prompt's whole candidate pool ordered by explore reward (best first), for ``solrl show``."""
 
     prompt: str
+    group: int  # the prompt's index in the iteration
     images: np.ndarray  # uint8 [N, H, W, 3], best first
     rewards: np.ndarray  # float64 [N]
     seeds: np.ndarray  # int64 [N]
@@ -178,6 +179,7 @@ def pool_view(run_dir: Path, iteration: int, prompt: str) -> PoolView:
         kept = dict(zip(chosen["candidate_index"].astype(int), chosen["kept_as"].astype(str)))
     return PoolView(
         prompt=prompts[group],
+        group=group,
         images=pool.images[group][index],
         rewards=rows["reward"].to_numpy(np.float64),
         seeds=pool.seeds[group][index],

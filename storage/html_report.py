@@ -136,10 +136,14 @@ def render_html(
             parts.append(
                 f"<h2>{html.escape(title)}</h2><img alt='{html.escape(title)}' src='data:image/png;base64,{png}'>"
             )
-    grids = []
-    for i, _ in plan:
+    grids, failed = [], []
+    for i, _ in plan:  # an image is embedded only when its stage's checksums hold
+        if read_manifest(run.run_dir, i, "select") is None:
+            continue
         png = _image(stage_dir(run.run_dir, i, "select") / "best_worst.png")
-        if png is not None and read_manifest(run.run_dir, i, "select") is not None:
+        if read_manifest(run.run_dir, i, "select", verify=True) is None:
+            failed.append(f"iteration {i}: select")
+        elif png is not None:
             grids.append(
                 f"<h3>iteration {i}</h3><img alt='best and worst, iteration {i}' src='data:image/png;base64,{png}'>"
             )
@@ -148,11 +152,18 @@ def render_html(
     evaluated = [i for i, _ in plan if read_manifest(run.run_dir, i, "evaluate") is not None]
     for i in dict.fromkeys([evaluated[0], evaluated[-1]] if evaluated else []):
         png = _image(stage_dir(run.run_dir, i, "evaluate") / "samples.png")
-        if png is not None:
+        if read_manifest(run.run_dir, i, "evaluate", verify=True) is None:
+            failed.append(f"iteration {i}: evaluate")
+        elif png is not None:
             label = "starting policy" if i == 0 else f"iteration {i}"
             parts.append(
                 f"<h2>Evaluation samples, {label}</h2><img alt='evaluation, {label}' src='data:image/png;base64,{png}'>"
             )
+    if failed:
+        parts.append(
+            "<p><b>Not shown, failing verification</b> (a file changed since it was committed; <code>solrl resume "
+            f"{html.escape(run.run_id)}</code> recomputes them): {html.escape('; '.join(failed))}</p>"
+        )
     config = yaml.safe_dump(run.config.model_dump(mode="json"), sort_keys=False)
     parts.append(f"<h2>Config</h2><pre>{html.escape(config)}</pre>")
     parts.append(

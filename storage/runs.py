@@ -61,7 +61,8 @@ def create_run(cfg: RunConfig, run_id: str | None = None, weights: dict[str, str
     run_dir = Path(cfg.storage.root).expanduser().resolve() / run_id
     if (run_dir / RUN_FILE).exists():
         raise ConfigError(
-            f"run {run_id!r} already exists in {run_dir.parent}; continue it with `solrl resume {run_id}`"
+            f"run {run_id!r} already exists in {run_dir.parent}; continue it with `solrl resume {run_id} --store "
+            f"{run_dir.parent}`"
         )
     prompts = cfg.prompts_digest()
     try:
@@ -157,7 +158,7 @@ def run_lock(run_dir: Path) -> Iterator[None]:
         except BlockingIOError:
             raise ConfigError(
                 f"run {Path(run_dir).name!r} is being written by another process; wait for it "
-                f"or stop it, then `solrl resume {Path(run_dir).name}`"
+                f"or stop it, then `solrl resume {Path(run_dir).name} --store {Path(run_dir).parent}`"
             ) from None
         yield
     finally:

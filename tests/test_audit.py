@@ -235,3 +235,25 @@ def test_report_html_of_a_run_that_died_mid_iteration_says_what_is_missing(finis
     if CHROMIUM is not None:
         total, rendered = rendered_figures(page)
         assert total == rendered > 0
+
+
+def test_report_html_does_not_embed_an_image_that_fails_verification(finished: Path, tmp_path: Path):
+    store = copy_run(finished, tmp_path)
+    grid = stage_dir(store / "done", 2, "select") / "best_worst.png"
+    data = bytearray(grid.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    grid.write_bytes(bytes(data))
+    page = tmp_path / "r.html"
+    assert runner.invoke(app, ["report", "done", "--store", str(store), "--html", str(page)]).exit_code == 0
+    text = page.read_text()
+    assert "Not shown, failing verification" in text and "iteration 2: select" in text
+    assert "best and worst, iteration 2" not in text and "best and worst, iteration 1" in text
+
+
+def test_show_writes_into_a_folder_and_refuses_an_out_that_is_not_a_png(finished: Path, tmp_path: Path):
+    args = ["show", "done", "--store", str(finished), "--iteration", "1", "--prompt", "1"]
+    into = runner.invoke(app, [*args, "--out", str(tmp_path)])
+    assert into.exit_code == 0, into.output
+    assert (tmp_path / "done-iter1-prompt1.png").exists()
+    bad = runner.invoke(app, [*args, "--out", str(tmp_path / "noext")])
+    assert bad.exit_code == 2 and "give a .png file" in bad.stderr

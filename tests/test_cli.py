@@ -200,3 +200,22 @@ def test_a_weights_fingerprint_samples_large_files_but_sees_size_and_sampled_cha
     big.write_bytes(bytes(data) + b"x")
     (tmp_path / "w" / "config.json").unlink()
     assert changed_files(before, folder_fingerprint(tmp_path / "w")) == ["big.safetensors", "config.json"]
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "match"),
+    [
+        (["serve"], {"PREFECT_API_URL": "http://127.0.0.1:1/api"}, "no Prefect server answers there"),
+        (["serve"], {"PREFECT_API_URL": "notaurl"}, "no Prefect server answers there"),
+        (["serve", "--name", "bad/name"], {"PREFECT_API_URL": "http://127.0.0.1:1/api"}, "cannot contain '/'"),
+        (["serve", "--interval", "-5"], {"PREFECT_API_URL": "http://127.0.0.1:1/api"}, "greater than or equal to 1"),
+        (["serve"], {"PREFECT_API_URL": ""}, "needs a Prefect server"),
+    ],
+)
+def test_serve_refuses_bad_input_in_one_line(args, env, match, monkeypatch):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert match in result.output
+    assert "Traceback" not in result.output

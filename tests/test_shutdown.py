@@ -116,3 +116,17 @@ def test_a_temporary_server_that_does_not_answer_in_time_is_stopped_with_a_clear
     with pytest.raises(RuntimeError, match="did not start .*SOLRL_PREFECT_START_TIMEOUT"):
         server.wait(timeout=0.05)
     assert process.poll() is not None and server.process is None
+
+
+def test_sigterm_while_the_run_is_being_set_up_exits_143_with_the_resume_line(tmp_path: Path):
+    store = tmp_path / "store"
+    proc = start_run(store, "early")
+    deadline = time.time() + 120
+    while not (store / "early" / "run.json").exists():  # created; the campaign has not started yet
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 143, output[-3000:]
+    assert "terminated (SIGTERM); continue with `solrl resume early --store" in output
+    assert "Traceback" not in output

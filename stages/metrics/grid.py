@@ -92,7 +92,7 @@ def save_pool_grid(
     for i in range(n):
         r, c = divmod(i, columns)
         x0, y0 = 4 + c * (tile_w + 4), head + r * (tile_h + 4)
-        draw.text((x0, y0), f"#{i + 1} {rewards[i]:.3f}", fill="black")
+        draw.text((x0, y0), f"#{i + 1}: {rewards[i]:.3f}", fill="black")
         box = (x0, y0 + label_h, x0 + w * scale + 2 * border - 1, y0 + label_h + h * scale + 2 * border - 1)
         if kept_as[i] is not None:
             draw.rectangle(box, fill=KEPT_COLOURS.get(str(kept_as[i]), (0, 0, 0)))
