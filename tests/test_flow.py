@@ -135,3 +135,30 @@ def test_a_stage_committed_but_never_logged_is_logged_when_resumed(tmp_path: Pat
     assert tracker.has_metric("seconds/evaluate", 0)
     artifacts = {a.path for a in tracker.client.list_artifacts(tracker.mlflow_run_id, "eval_samples")}
     assert artifacts == {"eval_samples/iter_000000"}
+
+
+def test_two_first_runs_started_together_each_with_a_new_prefect_home_and_one_new_store_both_finish(tmp_path: Path):
+    """Issue 10's first-start and same-moment failures, through the command line: each process starts a
+    temporary Prefect server on a new database while the other loads (a busy machine), both create MLflow's
+    schema in a store that does not exist yet."""
+    import mlflow
+
+    store = tmp_path / "new-store"
+    overrides = [a for o in [*TINY, "campaign.iterations=1", f"storage.root={store}"] for a in ("--set", o)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "solrl.cli", "run", *overrides, "--run-id", f"first{i}"],
+            env={**os.environ, "PREFECT_HOME": str(tmp_path / f"prefect{i}")},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    outputs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outputs)
+    client = mlflow.MlflowClient(f"sqlite:///{store / 'mlflow.db'}")
+    runs = client.search_runs(client.get_experiment_by_name("solrl").experiment_id)
+    assert sorted(r.info.status for r in runs) == ["FINISHED", "FINISHED"]
+    for r in runs:
+        assert [m.step for m in client.get_metric_history(r.info.run_id, "eval/digit_alignment")] == [0, 1]
