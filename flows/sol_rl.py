@@ -114,6 +114,16 @@ def _log_report(run, tracker: Tracker) -> None:
             tracker.log_artifact(path, "report")
 
 
+def _mark_stopped(tracker: Tracker, status: str, logger) -> None:
+    """Best effort: the stop that is unwinding wins. A signal that lands inside an MLflow write can leave its
+    sqlite database locked by the interrupted transaction (seen under SIGTERM on a busy machine); the status
+    then stays RUNNING, and the next resume sets it anyway."""
+    try:
+        tracker.finish(status)
+    except Exception as exc:  # noqa: BLE001 - never mask the stop being raised
+        logger.warning("could not mark the MLflow run %s (%s: %s)", status, exc.__class__.__name__, exc)
+
+
 @flow(name="sol-rl-campaign", flow_run_name="{run_id}")
 def campaign(store: str, run_id: str) -> dict[str, float]:
     """All iterations of a run, after evaluating the starting policy (iteration 0), in the order of
@@ -141,10 +151,10 @@ def campaign(store: str, run_id: str) -> dict[str, float]:
                     metrics = sol_rl_iteration(store, run_id, iteration, stages)
                 logger.info(progress.summary(iteration))
         except (KeyboardInterrupt, TerminationSignal):  # Ctrl-C; SIGTERM (Prefect raises its TerminationSignal)
-            tracker.finish("KILLED")
+            _mark_stopped(tracker, "KILLED", logger)
             raise
         except BaseException:
-            tracker.finish("FAILED")
+            _mark_stopped(tracker, "FAILED", logger)
             raise
         finally:
             progress.close()
