@@ -62,8 +62,9 @@ def _raise_terminated(signum: int, frame: object) -> None:
 @contextlib.contextmanager
 def _stoppable(resume: list[str]) -> Iterator[None]:
     """SIGTERM (exit 143) and Ctrl-C (exit 130) while a command checks and creates its run, before the campaign
-    starts: one line, with how to continue once ``resume`` holds ``[run_id, store]``. A SIGTERM that lands inside
-    a library (an import, a serializer) may surface wrapped in another exception: the flag tells."""
+    starts: one line, with how to continue when ``resume`` holds ``[run_id, store]`` and that run exists. A
+    SIGTERM that lands inside a library (an import, a serializer) may surface wrapped in another exception: the
+    flag tells."""
     signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         yield
@@ -72,7 +73,8 @@ def _stoppable(resume: list[str]) -> Iterator[None]:
     except BaseException as exc:
         if not (_terminated or isinstance(exc, KeyboardInterrupt)):
             raise
-        hint = f"; continue with `solrl resume {resume[0]} --store {resume[1]}`" if resume else ""
+        created = resume and (Path(resume[1]) / resume[0] / "run.json").exists()
+        hint = f"; continue with `solrl resume {resume[0]} --store {resume[1]}`" if created else ""
         _fail(("terminated (SIGTERM)" if _terminated else "interrupted") + hint, 143 if _terminated else 130)
 
 
@@ -144,12 +146,13 @@ def run(
             cfg = load_config(config, set_ or [])
             from solrl.stages.models import model_family
             from solrl.stages.runnable import check_runnable
-            from solrl.storage.runs import create_run
+            from solrl.storage.runs import check_run_id, create_run, new_run_id
 
             check_runnable(cfg)
             _start_prefect_early()  # after the checks: bad input exits at once, with no server to stop
+            run_id = check_run_id(run_id or new_run_id(cfg.name))
+            made += [run_id, str(Path(cfg.storage.root).expanduser().resolve())]  # the hint, once run.json exists
             created = create_run(cfg, run_id, weights=model_family(cfg.model).weights_fingerprint(cfg.model))
-            made += [created.run_id, str(created.run_dir.parent)]
         except ConfigError as exc:
             _fail(str(exc))
         for warning in cfg.warnings():

@@ -159,7 +159,11 @@ def update(
     table = pd.DataFrame(rows)
     UpdateMetrics(table).write(out)
     trained = table[table["skipped"] == 0]
-    metrics = {f"train/{c}": float(trained[c].mean()) for c in table.columns if c not in ("optimizer_step", "skipped")}
+    metrics = {  # the means of the steps taken (none when every step was skipped)
+        f"train/{c}": float(trained[c].mean())
+        for c in table.columns
+        if c not in ("optimizer_step", "skipped") and len(trained)
+    }
     metrics |= {
         "train/adv_abs_mean": float(np.abs(adv.values).mean()),
         "train/zero_std_ratio": adv.zero_std_ratio,

@@ -402,6 +402,7 @@ def test_an_update_step_whose_grad_norm_spikes_is_skipped_counted_and_warned(tmp
     ctx2 = StageContext(cfg, run.run_dir, run.run_id, 2)
     second = {stage: run_stage(ctx2, stage)[0] for stage in stages}["update"]
     assert second.metrics["train/skipped_steps"] == 4 and second.metrics["train/global_step"] == 4
+    assert "train/loss" not in second.metrics  # no step taken: no mean of NaNs in the manifest
     assert any("skipped 4 of 4 optimizer steps" in w for w in second.info["warnings"])
     table = pd.read_parquet(stage_dir(run.run_dir, 2, "update") / "metrics.parquet")
     assert table["skipped"].tolist() == [1, 1, 1, 1] and (table["grad_norm"] > 1e6).all()
