@@ -62,3 +62,10 @@ def trained_policy(cfg: RunConfig, rank: int, alpha: float, scale: float = 0.1):
             if "lora_B" in key:
                 p.copy_(torch.randn(p.shape, generator=g) * scale)
     return policy
+
+
+def flip_middle_byte(path: Path) -> None:
+    """Corrupt a committed file in place: same size, one byte changed (only its checksum can tell)."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))

@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import tiny_config
+from conftest import flip_middle_byte, tiny_config
 from PIL import Image
 from typer.testing import CliRunner
 
@@ -129,9 +129,7 @@ def test_bad_input_is_one_line_exit_2(finished: Path, args: list[str], match: st
 def test_a_corrupted_parquet_file_or_manifest_is_reported_not_read(finished: Path, tmp_path: Path):
     store = copy_run(finished, tmp_path)
     table = stage_dir(store / "done", 1, "score_explore") / "rewards.parquet"
-    data = bytearray(table.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    table.write_bytes(bytes(data))
+    flip_middle_byte(table)
     (stage_dir(store / "done", 1, "select") / MANIFEST).write_text("{not json")
 
     result = inspect(store, "--iteration", "1")
@@ -240,9 +238,7 @@ def test_report_html_of_a_run_that_died_mid_iteration_says_what_is_missing(finis
 def test_report_html_does_not_embed_an_image_that_fails_verification(finished: Path, tmp_path: Path):
     store = copy_run(finished, tmp_path)
     grid = stage_dir(store / "done", 2, "select") / "best_worst.png"
-    data = bytearray(grid.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    grid.write_bytes(bytes(data))
+    flip_middle_byte(grid)
     page = tmp_path / "r.html"
     assert runner.invoke(app, ["report", "done", "--store", str(store), "--html", str(page)]).exit_code == 0
     text = page.read_text()

@@ -143,9 +143,9 @@ def test_a_committed_file_changed_in_place_is_pending_again(tmp_path: Path):
     ctx0 = StageContext(run.config, run.run_dir, run.run_id, 0, run.config_hash)
     assert first_pending(ctx0) == (1, "explore")
     table = stage_dir(run.run_dir, 0, "evaluate") / "metrics.parquet"
-    data = bytearray(table.read_bytes())
-    data[len(data) // 2] ^= 0xFF  # same size, different bytes
-    table.write_bytes(bytes(data))
+    from conftest import flip_middle_byte
+
+    flip_middle_byte(table)  # same size, different bytes
     assert first_pending(ctx0) == (0, "evaluate")
 
 
