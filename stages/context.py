@@ -13,6 +13,7 @@ import torch
 
 from solrl.config import RunConfig
 from solrl.stages.models import ModelAdapter, load_model, resolve_device
+from solrl.stages.models.adapter import EmbeddingCacheMiss
 from solrl.stages.models.policy import ADAPTERS, Policy
 from solrl.stages.sampling.samplers import derive_seed
 from solrl.storage.artifacts import CheckpointArtifact
@@ -76,13 +77,17 @@ class StageContext:
         explore copy is then synced in place. ``encode_prompts=False`` skips the prompt embeddings (to export a
         LoRA, nothing is sampled).
         """
-        key = (self.cfg.model.model_dump_json(), self.cfg.campaign.seed, str(self.device), str(self.run_dir))
+        key = (
+            self.cfg.model.model_dump_json(),
+            self.cfg.campaign.seed,
+            str(self.device),
+            str(self.run_dir),
+            encode_prompts,
+        )
         policy = _POLICIES.get(key)
         if policy is None:
             _POLICIES.clear()  # one model in memory at a time
-            model = load_model(self.cfg.model, self.device)
-            if encode_prompts:
-                self._encode_prompts(model)
+            model = self._load_model(encode_prompts)
             policy = _POLICIES[key] = Policy(
                 model,
                 self.cfg.model.lora_rank,
@@ -93,10 +98,24 @@ class StageContext:
             policy.load_state_dict(name, checkpoint.sections[name] if checkpoint else policy.initial_state)
         return policy
 
-    def _encode_prompts(self, model: ModelAdapter) -> None:
-        """Encode the run's prompts once, cached in the run store under a name from the model config (its
-        device excluded: the embeddings do not depend on it) and the prompts; then release the text encoders."""
+    def _load_model(self, encode_prompts: bool) -> ModelAdapter:
+        """The model with the run's prompts encoded (``encode_prompts``), its text encoders released.
+
+        The prompts are encoded once per run and cached in the run store, under a name from the model config (its
+        device excluded: the embeddings do not depend on it) and the prompts. When that cache exists (a resumed
+        run, every stage after the first), or no prompt is needed, the text encoders are not loaded at all (for
+        FLUX.1 the T5-XXL encoder alone is about 9 GB); a cache that turns out unreadable is recomputed with them.
+        """
         prompts = self.cfg.train_prompts() + self.cfg.eval_prompts()
         config = self.cfg.model.model_dump(mode="json", exclude={"device"})
         digest = hashlib.sha256(json.dumps([config, sorted(set(prompts))], sort_keys=True).encode()).hexdigest()[:16]
-        model.precompute(prompts, self.run_dir / PROMPT_EMBEDDINGS / f"{self.cfg.model.family}-{digest}.safetensors")
+        cache = self.run_dir / PROMPT_EMBEDDINGS / f"{self.cfg.model.family}-{digest}.safetensors"
+        model = load_model(self.cfg.model, self.device, text_encoders=encode_prompts and not cache.exists())
+        if encode_prompts:
+            try:
+                model.precompute(prompts, cache)
+            except EmbeddingCacheMiss:
+                del model  # one model in memory at a time
+                model = load_model(self.cfg.model, self.device)
+                model.precompute(prompts, cache)
+        return model

@@ -184,3 +184,42 @@ def test_a_tiny_family_whose_cache_cannot_be_written_is_refused_before_any_run(t
         r"written .*set SOLRL_CACHE",
     ):
         check_runnable(_config("tiny-flux", tmp_path / "runs"))
+
+
+def test_a_run_with_cached_prompt_embeddings_loads_no_text_encoder_and_recovers_from_a_corrupt_cache(
+    tmp_path: Path,
+):
+    """After the first stage, every load of the model (later stages, a resume) reads the prompt embeddings from
+    the run store and never reads the text encoders' weights; a corrupt cache is recomputed with them."""
+    import shutil
+
+    from solrl.stages import context
+    from solrl.stages.context import PROMPT_EMBEDDINGS, StageContext
+
+    weights = tmp_path / "tiny-flux"
+    cfg = _config("tiny-flux", tmp_path / "runs", f"model.path={weights}")
+    ctx = StageContext(cfg, tmp_path / "run", "run", 1)
+    prompts = cfg.train_prompts()[:3]
+    context._POLICIES.clear()
+    expected = ctx.load_policy(None).model.encode(prompts)
+    (cache,) = (tmp_path / "run" / PROMPT_EMBEDDINGS).iterdir()
+
+    encoders = [weights / name for name in ("text_encoder", "text_encoder_2")]
+    for folder in encoders:  # the encoders' weights gone: a load that read them would fail
+        folder.rename(tmp_path / folder.name)
+    context._POLICIES.clear()
+    model = ctx.load_policy(None).model
+    assert model.text_encoders() == {"text_encoder": None, "text_encoder_2": None}
+    for key, value in expected.items():
+        torch.testing.assert_close(model.encode(prompts)[key], value)
+
+    for folder in encoders:
+        (tmp_path / folder.name).rename(folder)
+    cache.write_bytes(cache.read_bytes()[:100])  # truncated: the header says more than the file holds
+    context._POLICIES.clear()
+    model = ctx.load_policy(None).model  # loaded without encoders, the cache fails, loaded again with them
+    for key, value in expected.items():
+        torch.testing.assert_close(model.encode(prompts)[key], value)
+    assert cache.stat().st_size > 100  # rewritten
+    context._POLICIES.clear()
+    shutil.rmtree(tmp_path / "run")

@@ -47,6 +47,10 @@ def compute_precision(device: torch.device) -> Iterator[None]:
         yield
 
 
+class EmbeddingCacheMiss(RuntimeError):
+    """The prompt-embedding cache cannot serve a model loaded without its text encoders (load them and retry)."""
+
+
 @dataclass
 class ModelAdapter:
     """One model family as a plug-in (``solrl.registry.register_model``), and, once loaded, what the stages need
@@ -122,8 +126,11 @@ class ModelAdapter:
         return folder_fingerprint(root) or None
 
     @classmethod
-    def load(cls, cfg: ModelConfig, device: torch.device) -> ModelAdapter:
-        """Build the adapter with the weights of ``cfg.path`` on ``device``."""
+    def load(cls, cfg: ModelConfig, device: torch.device, *, text_encoders: bool = True) -> ModelAdapter:
+        """Build the adapter with the weights of ``cfg.path`` on ``device``.
+
+        ``text_encoders=False`` leaves the text encoders unloaded (their weights are never read): the adapter
+        starts released, and its prompts must come from an embedding cache (``precompute``)."""
         raise NotImplementedError
 
     @classmethod
@@ -169,11 +176,16 @@ class ModelAdapter:
 
         With ``cache`` (a ``.safetensors`` file in the run store, named by the prompts and the model), the
         embeddings are read from it when present (an unreadable file is a miss), else computed and written there
-        atomically, so a resumed run does not encode its prompts again. (The text encoders are still loaded with
-        the pipeline, then released here; loading without them is for later.)
+        atomically, so a resumed run does not encode its prompts again (``load(text_encoders=False)`` then skips
+        loading the text encoders at all).
+
+        Raises:
+            EmbeddingCacheMiss: the text encoders are not loaded and ``cache`` is missing or unreadable.
         """
         unique = sorted(set(prompts))
         if cache is None or not (cache.exists() and self._load_embeddings(cache, unique)):
+            if self._released:
+                raise EmbeddingCacheMiss(f"{cache}: no usable prompt embeddings, and the text encoders are not loaded")
             self.encode(unique)
             if cache is not None:
                 cache.parent.mkdir(parents=True, exist_ok=True)
@@ -235,12 +247,13 @@ def model_family(cfg: ModelConfig) -> type[ModelAdapter]:
     return MODELS.get(cfg.family)
 
 
-def load_model(cfg: ModelConfig, device: torch.device) -> ModelAdapter:
-    """Build the adapter of ``cfg.family`` with weights from ``cfg.path`` (checked first).
+def load_model(cfg: ModelConfig, device: torch.device, *, text_encoders: bool = True) -> ModelAdapter:
+    """Build the adapter of ``cfg.family`` with weights from ``cfg.path`` (checked first); without its text
+    encoders when ``text_encoders`` is False (``ModelAdapter.load``).
 
     Raises:
         ConfigError: the weights folder lacks a file the family needs.
     """
     family = model_family(cfg)
     family.check_runnable(cfg)
-    return family.load(cfg, device)
+    return family.load(cfg, device, text_encoders=text_encoders)

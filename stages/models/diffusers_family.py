@@ -129,12 +129,13 @@ class DiffusersFamily(ModelAdapter):
         super().check_runnable(cfg)
 
     @classmethod
-    def load(cls, cfg: ModelConfig, device: torch.device) -> DiffusersFamily:
+    def load(cls, cfg: ModelConfig, device: torch.device, *, text_encoders: bool = True) -> DiffusersFamily:
         import diffusers
 
         quiet_loading()
         source = cfg.path if cls._hub_download(cfg) else cls.weights_dir(cfg)  # a hub id downloads (online only)
-        pipe = getattr(diffusers, cls.pipeline_class).from_pretrained(source, dtype=weights_dtype(device))
+        skipped = {} if text_encoders else dict.fromkeys(cls.text_encoder_names)  # None: diffusers loads nothing
+        pipe = getattr(diffusers, cls.pipeline_class).from_pretrained(source, dtype=weights_dtype(device), **skipped)
         pipe.set_progress_bar_config(disable=True)
         pipe.to(device)
         pipe.transformer.eval().requires_grad_(False)
@@ -145,7 +146,7 @@ class DiffusersFamily(ModelAdapter):
                 f"model.resolution={resolution} must be a multiple of {factor} for {cls.name} "
                 f"(VAE downsampling x patch size)"
             )
-        return cls(
+        adapter = cls(
             transformer=pipe.transformer,
             device=device,
             latent_shape=cls.latent_shape_of(pipe, resolution),
@@ -157,6 +158,9 @@ class DiffusersFamily(ModelAdapter):
             max_sequence_length=cfg.max_sequence_length or cls.default_max_sequence_length,
             guidance=cfg.guidance,
         )
+        if not text_encoders:
+            adapter.release_text_encoders()
+        return adapter
 
     @classmethod
     def vae_scale_factor(cls, pipe: Any) -> int:
@@ -251,6 +255,6 @@ class TinyFamily:
             ) from None
 
     @classmethod
-    def load(cls, cfg: ModelConfig, device: torch.device) -> DiffusersFamily:
+    def load(cls, cfg: ModelConfig, device: torch.device, *, text_encoders: bool = True) -> DiffusersFamily:
         build_once(cls, cls.weights_dir(cfg))  # type: ignore[arg-type]
-        return super().load(cfg, device)  # type: ignore[misc]
+        return super().load(cfg, device, text_encoders=text_encoders)  # type: ignore[misc]

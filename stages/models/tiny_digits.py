@@ -215,15 +215,17 @@ class TinyDigits(ModelAdapter):
         )
 
     @classmethod
-    def load(cls, cfg: ModelConfig, device: torch.device) -> TinyDigits:
+    def load(cls, cfg: ModelConfig, device: torch.device, *, text_encoders: bool = True) -> TinyDigits:
         root = cls.weights_dir(cfg)
         from diffusers import SanaTransformer2DModel
 
         transformer = SanaTransformer2DModel.from_pretrained(root / "transformer").to(device)
-        text_encoder = TinyTextEncoder()
-        text_encoder.load_state_dict(load_file(root / "text_encoder.safetensors"))
-        text_encoder.to(device).eval().requires_grad_(False)
-        return cls(
+        text_encoder = None
+        if text_encoders:
+            text_encoder = TinyTextEncoder()
+            text_encoder.load_state_dict(load_file(root / "text_encoder.safetensors"))
+            text_encoder.to(device).eval().requires_grad_(False)
+        adapter = cls(
             transformer=transformer,
             device=device,
             latent_shape=(1, IMAGE_SIZE, IMAGE_SIZE),
@@ -232,6 +234,9 @@ class TinyDigits(ModelAdapter):
             grid_period=int(transformer.config.patch_size),  # pixel space: no VAE
             text_encoder=text_encoder,
         )
+        if not text_encoders:
+            adapter.release_text_encoders()
+        return adapter
 
     @classmethod
     def validate_config(cls, cfg: RunConfig) -> None:
