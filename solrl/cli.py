@@ -12,12 +12,15 @@ import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
-import pandas as pd
 import typer
 
-from solrl.config import ConfigError, load_config
+from solrl.config import ConfigError, load_config, validate_config
+from solrl.weights import check_published_weights
+
+if TYPE_CHECKING:
+    import pandas as pd  # imported where a command needs it: not at start-up
 
 app = typer.Typer(
     add_completion=False,
@@ -141,9 +144,12 @@ def run(
 ) -> None:
     """Start a new campaign from a preset (default tiny-digits)."""
     made: list[str] = []  # [run id, store] once the run exists
+    _quiet_environment()  # before the checks: they must see the HF_HUB_OFFLINE the run will load weights with
     with _stoppable(made):
         try:
-            cfg = load_config(config, set_ or [])
+            cfg = load_config(config, set_ or [], plugins=False)  # the schema: nothing imports torch yet
+            check_published_weights(cfg.model)  # so a missing download fails at once
+            cfg = validate_config(cfg.model_dump(mode="json"))  # the plug-ins' own rules
             from solrl.stages.models import model_family
             from solrl.stages.runnable import check_runnable
             from solrl.storage.runs import check_run_id, create_run, new_run_id
@@ -239,11 +245,13 @@ def serve(
 @app.command()
 def resume(run_id: Annotated[str, typer.Argument(help="The run to continue.")], store: StoreOption = "runs") -> None:
     """Continue a run: committed stages are skipped, the first stage without a manifest runs next."""
+    _quiet_environment()  # before the checks (HF_HUB_OFFLINE)
     with _stoppable([run_id, store]):
         try:
             from solrl.storage.runs import open_run, run_lock
 
             run_ = open_run(store, run_id)
+            check_published_weights(run_.config.model)  # before torch is imported
             from solrl.stages.runnable import check_runnable
 
             check_runnable(run_.config, run_.prompts_sha256, run_.weights)
@@ -341,7 +349,7 @@ def report(
     for _, row in frame.iterrows():
         table.add_row(
             str(int(row["iteration"])),
-            *[f"{row[c]:.4f}" if pd.notna(row[c]) else "" for c in columns],
+            *[f"{row[c]:.4f}" if row[c] == row[c] else "" for c in columns],  # NaN: not logged
             f"{row['seconds/iteration']:.1f}",
         )
     Console(width=200).print(table)

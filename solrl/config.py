@@ -457,12 +457,16 @@ def _format_validation_error(exc: ValidationError) -> str:
     return "invalid config: " + _describe_errors(exc)
 
 
-def load_config(source: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+def load_config(
+    source: str | Path | None = None, overrides: list[str] | None = None, *, plugins: bool = True
+) -> RunConfig:
     """Load a preset (a name from ``configs/`` or a YAML path), apply ``--set`` overrides, validate.
 
     Args:
         source: preset name (``tiny-digits``), a YAML file path, or None for the default preset.
         overrides: ``section.key=value`` strings; values are parsed as YAML.
+        plugins: False checks the schema only, not the plug-in names and rules (``validate_config``): no
+            plug-in package, hence no torch, is imported.
 
     Raises:
         ConfigError: missing/malformed file, unknown key, bad value, or a cross-field rule broken;
@@ -492,7 +496,7 @@ def load_config(source: str | Path | None = None, overrides: list[str] | None = 
         keys, value = _parse_override(item)
         _apply_override(data, keys, value, item)
     data["base_dir"] = str(path.resolve().parent)
-    return validate_config(data)
+    return validate_config(data, plugins=plugins)
 
 
 def validate_config(data: dict[str, Any], *, plugins: bool = True) -> RunConfig:

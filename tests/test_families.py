@@ -149,6 +149,36 @@ def test_a_real_preset_without_its_weights_exits_2_naming_the_path_and_where_the
     assert not (tmp_path / "store").exists()
 
 
+@pytest.mark.parametrize("command", ["run", "run-local", "resume"])
+def test_missing_published_weights_are_refused_before_torch_is_imported(tmp_path: Path, command: str):
+    """The missing-weights error must come at once (issue 8: under a second); importing torch alone takes about
+    one, so the check must run before anything imports it: a hub id not cached offline, a local folder without
+    the pipeline's files, or a run whose weights have gone."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\nfrom solrl.cli import app\ntry:\n    app(sys.argv[1:])\nexcept SystemExit as exc:\n"
+        "    print('torch' in sys.modules, exc.code)\n"
+    )
+    from solrl.storage.runs import create_run
+
+    local = command == "run-local"
+    path = ["--set", f"model.path={tmp_path / 'sana'}"] if local else []
+    (tmp_path / "sana").mkdir()
+    args = ["run", "sana-1600m", "--set", f"storage.root={tmp_path / 'store'}", *path]
+    if command == "resume":  # a run made where the weights were (written directly, as on that machine)
+        create_run(load_config("sana-1600m", [f"storage.root={tmp_path / 'runs'}"], plugins=False), "made-elsewhere")
+        args = ["resume", "made-elsewhere", "--store", str(tmp_path / "runs")]
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}  # solrl's own default applies: offline
+    done = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True, timeout=60)
+    assert done.stdout.split() == ["False", "2"], done.stdout + done.stderr
+    missing = f"{tmp_path / 'sana' / 'model_index.json'} is missing" if local else "not in the Hugging Face cache"
+    assert missing in done.stderr and "huggingface.co/Efficient-Large-Model/Sana_1600M" in done.stderr
+    assert not (tmp_path / "store").exists()
+
+
 def test_prompt_embeddings_are_cached_once_and_a_corrupt_cache_is_recomputed(tmp_path: Path):
     from safetensors.torch import load_file
 

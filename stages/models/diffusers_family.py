@@ -9,7 +9,6 @@ loads back into the same pipeline class.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -22,9 +21,8 @@ from torch import nn
 
 from solrl.config import ConfigError, ModelConfig, RunConfig
 from solrl.stages.models.adapter import ModelAdapter
+from solrl.weights import PIPELINE_FILES, PublishedWeights, hub_download, pipeline_dir
 
-#: ``org/name``: a Hugging Face hub id rather than a local folder.
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 #: Images decoded per VAE call (bounds the decoder's activation memory at 1024 px).
 DECODE_BATCH = 8
 
@@ -54,7 +52,7 @@ def solrl_cache() -> Path:
 class DiffusersFamily(ModelAdapter):
     """A family whose weights are a diffusers pipeline folder (``model_index.json`` and component folders)."""
 
-    #: Published weights (a hub id), named in the missing-weights error.
+    #: Published weights (a hub id; built-in families take it from ``solrl.weights.PUBLISHED``).
     hub_id: ClassVar[str] = ""
     default_resolution: ClassVar[int]
     #: Pixels per latent token along a side for the published VAE and patch size: resolutions are multiples.
@@ -95,45 +93,24 @@ class DiffusersFamily(ModelAdapter):
                 f"model.family={cls.name} needs model.path: a diffusers-format folder or hub id; "
                 f"weights: {cls.weights_hint}"
             )
-        local = Path(cfg.path).expanduser()
-        if local.exists() or not _HUB_ID.match(cfg.path):
-            return local
-        from huggingface_hub import snapshot_download
-
-        try:
-            return Path(snapshot_download(cfg.path, local_files_only=True))
-        except Exception:  # not in the local cache: the missing-file check names the path
-            return local
-
-    @classmethod
-    def _hub_download(cls, cfg: ModelConfig) -> bool:
-        """Whether ``model.path`` is a hub id that is neither a local folder nor in the hub cache (then
-        ``from_pretrained`` downloads it, when ``HF_HUB_OFFLINE`` allows)."""
-        return bool(cfg.path) and _HUB_ID.match(cfg.path) is not None and not cls.weights_dir(cfg).exists()
+        return pipeline_dir(cfg.path)
 
     @classmethod
     def required_files(cls, cfg: ModelConfig) -> tuple[str, ...]:
-        return ("model_index.json", "transformer/config.json", "vae/config.json")
+        return PIPELINE_FILES
 
     @classmethod
     def check_runnable(cls, cfg: ModelConfig) -> None:
-        """The weights files (locally or in the hub cache); a hub id not cached is fine only when online."""
-        if cls._hub_download(cfg):
-            if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
-                raise ConfigError(
-                    f"model.path={cfg.path}: not a local folder and not in the Hugging Face cache, and "
-                    f"HF_HUB_OFFLINE=1 (solrl's default) forbids downloading; download it first or set "
-                    f"HF_HUB_OFFLINE=0 to let diffusers fetch it; weights: {cls.weights_hint}"
-                )
-            return
-        super().check_runnable(cfg)
+        """The weights files (locally or in the hub cache); a hub id not cached is fine only when online
+        (``solrl.weights``, which checks the published families before torch is imported)."""
+        PublishedWeights(cls.hub_id, cls.weights_hint, cls.required_files(cfg)).check(cls.name, cfg.path)
 
     @classmethod
     def load(cls, cfg: ModelConfig, device: torch.device, *, text_encoders: bool = True) -> DiffusersFamily:
         import diffusers
 
         quiet_loading()
-        source = cfg.path if cls._hub_download(cfg) else cls.weights_dir(cfg)  # a hub id downloads (online only)
+        source = cfg.path if hub_download(cfg.path) else cls.weights_dir(cfg)  # a hub id downloads (online only)
         skipped = {} if text_encoders else dict.fromkeys(cls.text_encoder_names)  # None: diffusers loads nothing
         pipe = getattr(diffusers, cls.pipeline_class).from_pretrained(source, dtype=weights_dtype(device), **skipped)
         pipe.set_progress_bar_config(disable=True)

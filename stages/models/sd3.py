@@ -17,6 +17,7 @@ from torch import nn
 from solrl.registry import register_model
 from solrl.stages.models.adapter import Conditioning
 from solrl.stages.models.diffusers_family import DiffusersFamily, TinyFamily
+from solrl.weights import PUBLISHED
 
 
 @register_model("sd3")
@@ -25,10 +26,8 @@ class SD3(DiffusersFamily):
     """SD3 / SD3.5 from a diffusers-format folder (e.g. ``stabilityai/stable-diffusion-3.5-large``)."""
 
     name: ClassVar[str] = "sd3"
-    hub_id: ClassVar[str] = "stabilityai/stable-diffusion-3.5-large"
-    weights_hint: ClassVar[str] = (
-        "https://huggingface.co/stabilityai/stable-diffusion-3.5-large (gated: accept the licence)"
-    )
+    hub_id: ClassVar[str] = PUBLISHED["sd3"].hub_id
+    weights_hint: ClassVar[str] = PUBLISHED["sd3"].hint
     pipeline_class: ClassVar[str] = "StableDiffusion3Pipeline"
     lora_targets: ClassVar[tuple[str, ...]] = (
         "to_q",

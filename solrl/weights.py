@@ -1,0 +1,117 @@
+"""Where a model family's weights come from, checked without importing torch.
+
+A published family (SANA, FLUX.1, SD3.5) reads a diffusers pipeline folder from ``model.path``: a local folder,
+or a Hugging Face hub id read from the local hub cache (downloaded by diffusers only when ``HF_HUB_OFFLINE=0``).
+Their ``PublishedWeights`` are declared here rather than in the adapter modules so that ``solrl run`` and
+``solrl resume`` can refuse a preset whose weights are not on the machine before they import torch (about a
+second on its own): the error comes at once, names the missing path and where the weights are published. The
+adapters (``solrl.stages.models``) read the same declarations, so each fact is written once; a third-party
+family is checked by its own ``check_runnable`` after its import instead.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from solrl.config import ConfigError, ModelConfig
+
+#: ``org/name``: a Hugging Face hub id rather than a local folder.
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+#: Files of a diffusers pipeline folder that must exist before any work starts.
+PIPELINE_FILES = ("model_index.json", "transformer/config.json", "vae/config.json")
+
+
+def hub_offline() -> bool:
+    """Whether ``HF_HUB_OFFLINE`` forbids downloads (solrl's Makefile and tests set it; unset means online)."""
+    return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
+
+
+def pipeline_dir(path: str) -> Path:
+    """``model.path`` as a folder: itself when it exists or is not a hub id; a hub id's snapshot in the local
+    hub cache when there is one (never downloaded here); else the path itself (then missing)."""
+    local = Path(path).expanduser()
+    if local.exists() or not HUB_ID.match(path):
+        return local
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(path, local_files_only=True))
+    except Exception:  # not in the local cache: the missing-file check names the path
+        return local
+
+
+def hub_download(path: str | None) -> bool:
+    """Whether ``path`` is a hub id that is neither a local folder nor in the hub cache (then diffusers'
+    ``from_pretrained`` downloads it, when ``HF_HUB_OFFLINE`` allows)."""
+    return bool(path) and HUB_ID.match(path) is not None and not pipeline_dir(path).exists()
+
+
+@dataclass(frozen=True)
+class PublishedWeights:
+    """A family's published diffusers pipeline: its hub id, where a user gets it, and the files every run needs.
+
+    Attributes:
+        hub_id: the published repository, e.g. ``black-forest-labs/FLUX.1-dev``.
+        hint: where the weights are published (a URL, with any licence step), for error messages.
+        required_files: files, relative to the pipeline folder, that must exist before any work starts.
+    """
+
+    hub_id: str
+    hint: str
+    required_files: tuple[str, ...] = PIPELINE_FILES
+
+    def check(self, family: str, path: str | None) -> None:
+        """Check that ``path`` (``model.path``) holds this pipeline, or may be downloaded.
+
+        Raises:
+            ConfigError: no path; a hub id not cached while offline; a local folder lacking a required file.
+                One line naming the path and where the weights are published.
+        """
+        if not path:
+            raise ConfigError(
+                f"model.family={family} needs model.path: a diffusers-format folder or hub id; weights: {self.hint}"
+            )
+        if hub_download(path):
+            if hub_offline():
+                raise ConfigError(
+                    f"model.path={path}: not a local folder and not in the Hugging Face cache, and "
+                    f"HF_HUB_OFFLINE=1 (solrl's default) forbids downloading; download it first or set "
+                    f"HF_HUB_OFFLINE=0 to let diffusers fetch it; weights: {self.hint}"
+                )
+            return
+        root = pipeline_dir(path)
+        for rel in self.required_files:
+            if not (root / rel).exists():
+                raise ConfigError(f"model.path: {root / rel} is missing ({family} weights); weights: {self.hint}")
+
+
+#: The published families, by ``model.family``.
+PUBLISHED: dict[str, PublishedWeights] = {
+    "sana": PublishedWeights(
+        "Efficient-Large-Model/Sana_1600M_1024px_diffusers",
+        "https://huggingface.co/Efficient-Large-Model/Sana_1600M_1024px_diffusers",
+    ),
+    "flux": PublishedWeights(
+        "black-forest-labs/FLUX.1-dev",
+        "https://huggingface.co/black-forest-labs/FLUX.1-dev (gated: accept the licence)",
+    ),
+    "sd3": PublishedWeights(
+        "stabilityai/stable-diffusion-3.5-large",
+        "https://huggingface.co/stabilityai/stable-diffusion-3.5-large (gated: accept the licence)",
+    ),
+}
+
+
+def check_published_weights(model: ModelConfig) -> None:
+    """The weights check of a published family (``PUBLISHED``), before anything imports torch; nothing for
+    other families (their adapter checks after its import).
+
+    Raises:
+        ConfigError: as ``PublishedWeights.check``.
+    """
+    published = PUBLISHED.get(model.family)
+    if published is not None:
+        published.check(model.family, model.path)
