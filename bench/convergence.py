@@ -40,9 +40,20 @@ from solrl.stages.pipeline import ITERATION, campaign_plan, run_stage
 from solrl.storage.report import collect_metrics
 from solrl.storage.runs import create_run
 
-PRESETS = ("sol-rl", "bf16-scaling", "naive-fp4", "diffusionnft", "sol-rl-flow-grpo", "flow-grpo")
+PRESETS = (
+    "sol-rl",
+    "sol-rl-unregularised",
+    "bf16-scaling",
+    "naive-fp4",
+    "diffusionnft",
+    "sol-rl-flow-grpo",
+    "flow-grpo",
+)
 TRAIN_STAGES = ("explore", "score_explore", "select", "regenerate", "score_regenerate", "update", "checkpoint")
 EVALS = ("eval/digit_alignment", "eval/digit_evaluator", "eval/diversity", "eval/grid_energy")
+#: Guards reported relative to each seed's starting policy (iteration 0): diversity as a change, grid energy as
+#: a multiple (issue 12's targets: diversity within 15%, grid energy within 10%).
+RELATIVE = ("eval/diversity", "eval/grid_energy")
 
 
 def stage_columns(frame: pd.DataFrame) -> list[str]:
@@ -64,10 +75,17 @@ def parse_variant(text: str) -> tuple[str, str, tuple[str, ...]]:
 
 
 def run_one(
-    preset: str, seed: int, iterations: int, store: Path, overrides: tuple[str, ...] = (), label: str | None = None
+    preset: str,
+    seed: int,
+    iterations: int,
+    store: Path,
+    overrides: tuple[str, ...] = (),
+    label: str | None = None,
+    grids: Path | None = None,
 ) -> pd.DataFrame:
     """One run of ``preset`` (plus ``--set`` style ``overrides``) through the stage functions; returns its
-    per-iteration metrics with cumulative ``train_seconds``, its rows named ``label`` (default: the preset)."""
+    per-iteration metrics with cumulative ``train_seconds``, its rows named ``label`` (default: the preset).
+    With ``grids``, the first and last evaluation grids are copied there as ``<label>-seed<seed>-iter<N>.png``."""
     cfg = load_config(
         preset,
         [
@@ -86,6 +104,11 @@ def run_one(
         for stage in stages:
             run_stage(ctx, stage)
         print(f"  {label} seed {seed} iteration {iteration}/{iterations}", flush=True)
+    if grids is not None:
+        grids.mkdir(parents=True, exist_ok=True)
+        for iteration in (0, iterations):
+            png = run.run_dir / f"iter_{iteration:06d}" / "evaluate" / "samples.png"
+            shutil.copyfile(png, grids / f"{safe}-seed{seed}-iter{iteration:03d}.png")
     frame = collect_metrics(run.run_dir, tuple(s.name for s in ITERATION))
     seconds = frame[stage_columns(frame)].fillna(0).sum(axis=1)
     frame["train_seconds"] = seconds.cumsum()
@@ -93,9 +116,34 @@ def run_one(
     return frame
 
 
-def fmt(values: pd.Series) -> str:
+def fmt(values: pd.Series, spec: str = ".3f", suffix: str = "") -> str:
     """mean +- std over seeds."""
-    return f"{values.mean():.3f} +- {values.std():.3f}" if len(values) > 1 else f"{values.mean():.3f}"
+    mean = f"{values.mean():{spec}}{suffix}"
+    return f"{mean} +- {values.std():{spec.lstrip('+')}}{suffix}" if len(values) > 1 else mean
+
+
+def relative(frame: pd.DataFrame) -> pd.DataFrame:
+    """``frame`` with ``<metric>/rel`` columns: each RELATIVE metric divided by the same preset and seed's
+    iteration-0 value (1.0 = unchanged)."""
+    frame = frame.copy()
+    for metric in RELATIVE:
+        if metric in frame:
+            start = frame[frame.iteration == 0].set_index(["preset", "seed"])[metric]
+            base = pd.Series(list(zip(frame.preset, frame.seed)), index=frame.index).map(start)
+            frame[f"{metric}/rel"] = frame[metric] / base
+    return frame
+
+
+def cells(rows: pd.DataFrame) -> str:
+    """The metric cells of one table row: alignment, evaluator, diversity (change vs start), grid energy
+    (multiple of start)."""
+    out = [fmt(rows[m]) if m in rows else "n/a" for m in EVALS[:2]]
+    diversity, grid = (f"{m}/rel" for m in RELATIVE)
+    out.append(
+        f"{fmt(rows[EVALS[2]])} ({fmt((rows[diversity] - 1) * 100, '+.0f', '%')})" if diversity in rows else "n/a"
+    )
+    out.append(f"{fmt(rows[EVALS[3]], '.5f')} ({fmt(rows[grid], '.1f', 'x')})" if grid in rows else "n/a")
+    return " | ".join(out)
 
 
 def stage_split(frame: pd.DataFrame) -> pd.DataFrame:
@@ -159,6 +207,7 @@ def seconds_to_reach(group: pd.DataFrame, metric: str, target: float) -> float:
 def report(frame: pd.DataFrame, target: float) -> str:
     """The markdown tables: final alignment / diversity per preset, time to ``target`` evaluator alignment,
     and the per-stage time split."""
+    frame = relative(frame)
     iterations = int(frame.iteration.max())
     presets = list(dict.fromkeys(frame.preset))
     seeds = sorted(frame.seed.unique().tolist())
@@ -167,12 +216,10 @@ def report(frame: pd.DataFrame, target: float) -> str:
         f"tiny-digits, {iterations} iterations, seeds {seeds}; mean +- std over seeds; machine: "
         f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
         "",
-        f"| preset | runs | alignment | evaluator | diversity | grid energy | train s / iteration | train s to "
-        f"evaluator >= {target} (runs reaching it) |",
+        f"| preset | runs | alignment | evaluator | diversity (vs start) | grid energy (x start) | train s / "
+        f"iteration | train s to evaluator >= {target} (runs reaching it) |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
-        f"| start (iteration 0) | {first.seed.nunique()} | "
-        + " | ".join(fmt(first[m]) if m in first else "n/a" for m in EVALS)
-        + " | | |",
+        f"| start (iteration 0) | {first.seed.nunique()} | " + cells(first) + " | | |",
     ]
     for preset in presets:
         rows, runs = last[last.preset == preset], frame[frame.preset == preset]
@@ -183,11 +230,7 @@ def report(frame: pd.DataFrame, target: float) -> str:
             if reach.notna().any()
             else f"never (0/{len(reach)})"
         )
-        lines.append(
-            f"| {preset} | {len(rows)} | "
-            + " | ".join(fmt(rows[m]) if m in rows else "n/a" for m in EVALS)
-            + f" | {per_iter.mean():.2f} | {reached} |"
-        )
+        lines.append(f"| {preset} | {len(rows)} | " + cells(rows) + f" | {per_iter.mean():.2f} | {reached} |")
     split = stage_split(frame)
     lines += [
         "",
@@ -224,6 +267,9 @@ def main() -> None:
         metavar="NAME=PRESET:KEY=VALUE;KEY=VALUE",
         help="an extra row: PRESET with its own overrides, named NAME (repeatable)",
     )
+    parser.add_argument(
+        "--grids", type=Path, default=None, help="copy each run's first and last evaluation grid into this folder"
+    )
     parser.add_argument("--target", type=float, default=0.8, help="evaluator alignment for the time-to column")
     parser.add_argument(
         "--from-csv",
@@ -243,7 +289,7 @@ def main() -> None:
             for label, preset, own in runs:
                 for seed in args.seeds:
                     overrides = (*args.overrides, *own)
-                    frames.append(run_one(preset, seed, args.iterations, store, overrides, label))
+                    frames.append(run_one(preset, seed, args.iterations, store, overrides, label, args.grids))
                     # Written after every run, so a long bench that dies keeps what it measured.
                     pd.concat(frames, ignore_index=True).to_csv(args.out / "convergence.csv", index=False)
         finally:

@@ -250,7 +250,8 @@ def test_explore_and_regenerate_share_the_sde_noise_path_of_a_seed(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "preset", ["sol-rl", "bf16-scaling", "naive-fp4", "diffusionnft", "sol-rl-flow-grpo", "flow-grpo"]
+    "preset",
+    ["sol-rl", "sol-rl-unregularised", "bf16-scaling", "naive-fp4", "diffusionnft", "sol-rl-flow-grpo", "flow-grpo"],
 )
 def test_baseline_presets_load(preset):
     from solrl.config import load_config
