@@ -17,8 +17,9 @@ from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settin
 from solrl.flows.progress import current as current_progress
 from solrl.flows.progress import start as start_progress
 from solrl.stages.context import StageContext
-from solrl.stages.pipeline import ITERATION, campaign_plan, run_stage
+from solrl.stages.pipeline import ITERATION, STAGES, campaign_plan, run_shard, run_stage, stage_shards
 from solrl.stages.runnable import check_runnable
+from solrl.stages.sharding import Shard
 from solrl.storage.html_report import write_report
 from solrl.storage.runs import open_run, run_lock
 from solrl.storage.stage import stage_dir
@@ -53,6 +54,25 @@ def stage_task(store: str, run_id: str, iteration: int, stage: str) -> dict:
     return {"manifest": manifest.model_dump(mode="json"), "skipped": skipped}
 
 
+@task(
+    task_run_name="{stage}[{iteration}] shard {index}/{count}",
+    cache_policy=NO_CACHE,
+    persist_result=False,
+    retry_delay_seconds=2,
+)
+def shard_task(store: str, run_id: str, iteration: int, stage: str, index: int, count: int) -> bool:
+    """Run (or skip) shard ``index`` of ``count`` of a sharded stage (its prompts only, committed on its own, so
+    a failed shard is retried alone); returns whether it was skipped."""
+    run = open_run(store, run_id)
+    ctx = StageContext(run.config, run.run_dir, run.run_id, iteration, run.config_hash)
+    manifest, skipped = run_shard(ctx, stage, Shard(index, count))
+    if not skipped:
+        get_run_logger().info(
+            "iteration %d %s shard %d/%d: committed in %.2f s", iteration, stage, index + 1, count, manifest.seconds
+        )
+    return skipped
+
+
 _TRACKERS: dict[str, Tracker] = {}
 
 
@@ -72,6 +92,11 @@ def _run_and_track(store: str, run_id: str, iteration: int, stage: str, tracker:
     progress = current_progress()
     if progress is not None:
         progress.stage_started(iteration, stage)
+    run = open_run(store, run_id)
+    shards = stage_shards(StageContext(run.config, run.run_dir, run_id, iteration, run.config_hash), STAGES[stage])
+    if len(shards) > 1:  # each shard its own task, in order (one model per process: threads would share it)
+        for shard in shards:
+            shard_task.with_options(retries=retries)(store, run_id, iteration, stage, shard.index, shard.count)
     result = stage_task.with_options(retries=retries)(store, run_id, iteration, stage)
     manifest = result["manifest"]
     if progress is not None:

@@ -243,12 +243,19 @@ def serve(
 
 
 @app.command()
-def resume(run_id: Annotated[str, typer.Argument(help="The run to continue.")], store: StoreOption = "runs") -> None:
+def resume(
+    run_id: Annotated[str, typer.Argument(help="The run to continue.")],
+    store: StoreOption = "runs",
+    shards: Annotated[
+        int | None,
+        typer.Option(min=1, help="Continue with this many prompt shards (campaign.shards; results do not change)."),
+    ] = None,
+) -> None:
     """Continue a run: committed stages are skipped, the first stage without a manifest runs next."""
     _quiet_environment()  # before the checks (HF_HUB_OFFLINE)
     with _stoppable([run_id, store]):
         try:
-            from solrl.storage.runs import open_run, run_lock
+            from solrl.storage.runs import open_run, run_lock, set_shards
 
             run_ = open_run(store, run_id)
             check_published_weights(run_.config.model)  # before torch is imported
@@ -256,7 +263,9 @@ def resume(run_id: Annotated[str, typer.Argument(help="The run to continue.")], 
 
             check_runnable(run_.config, run_.prompts_sha256, run_.weights)
             with run_lock(run_.run_dir):  # refuse now, not after Prefect has started, when another process runs it
-                pass
+                if shards is not None:
+                    set_shards(store, run_id, shards)
+                    run_ = open_run(store, run_id)
         except ConfigError as exc:
             _fail(str(exc))
         from solrl.stages.context import StageContext

@@ -246,6 +246,13 @@ class CampaignConfig(_Section):
     eval_steps: int | None = Field(None, ge=1, description="Sampling steps of the evaluation; null = regenerate.steps.")
     seed: int = Field(42, ge=0, description="Run seed; every candidate seed derives from it.")
     stage_retries: int = Field(1, ge=0, description="Prefect retries of a failed stage task.")
+    shards: int = Field(
+        1,
+        ge=1,
+        description="Prompt shards of the explore and regenerate stages: each shard is its own task and committed "
+        "folder, then one reduce writes the stage (at most one shard per prompt). Layout only: results and cache "
+        "keys do not depend on it, so `solrl resume --shards N` may change it.",
+    )
 
 
 class RunConfig(_Section):
@@ -388,9 +395,18 @@ def _registered(registry: Any, name: str, field: str) -> Any:
     return registry.get(name)
 
 
+#: Config fields that lay the work out without changing any result: not part of the config hash, so a run may
+#: be resumed with other values (``campaign.shards``).
+LAYOUT_FIELDS = (("campaign", "shards"),)
+
+
 def config_digest(data: dict[str, Any]) -> str:
-    """sha256 of a config mapping's canonical JSON, ``base_dir`` excluded (``RunConfig.digest`` of a dump)."""
+    """sha256 of a config mapping's canonical JSON, ``base_dir`` and ``LAYOUT_FIELDS`` excluded
+    (``RunConfig.digest`` of a dump)."""
     payload = {k: v for k, v in data.items() if k != "base_dir"}
+    for section, key in LAYOUT_FIELDS:
+        if isinstance(payload.get(section), dict):
+            payload[section] = {k: v for k, v in payload[section].items() if k != key}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 

@@ -10,6 +10,7 @@ from solrl.registry import EXPLORE_BACKENDS
 from solrl.stages.context import StageContext
 from solrl.stages.quant.backends import rollout_network
 from solrl.stages.sampling.rollout import generate, trajectory_arrays
+from solrl.stages.sharding import WHOLE, Shard
 from solrl.storage.artifacts import CandidatePool, StartingPolicy
 from solrl.storage.stage import StageOutput, read_manifest
 
@@ -33,20 +34,22 @@ def explore_precision(ctx: StageContext) -> tuple[str, list[str]]:
     ]
 
 
-def explore(ctx: StageContext, out: Path, start: StartingPolicy | None) -> StageOutput:
+def explore(ctx: StageContext, out: Path, start: StartingPolicy | None, *, shard: Shard = WHOLE) -> StageOutput:
     """Draw ``pool_size`` seeds per prompt and sample each with the explore copy (``explore.precision``) of the
     rollout policy ``start`` (None: the base model).
 
     Writes a ``CandidatePool``: images uint8 ``[P, N, H, W, 3]``, seeds int64 ``[P, N]``, prompt_index int64
     ``[P]``; with ``regenerate.enabled=false`` (the baselines that train on the explore samples) also what the
     loss needs (final latents; SDE trajectories and log-probs). Seeds derive from (run seed, iteration, prompt
-    position, candidate index).
+    position, candidate index). With ``shard``, only that shard's prompts (``P`` of them).
     """
     cfg = ctx.cfg.explore
     precision, warnings = explore_precision(ctx)
     prompt_index, prompts = ctx.iteration_prompts()
+    positions = shard.positions(len(prompts))
+    prompt_index, prompts = prompt_index[list(positions)], [prompts[p] for p in positions]
     P, N = len(prompts), cfg.pool_size
-    seeds = np.array([[ctx.seed("explore", p, n) for n in range(N)] for p in range(P)], dtype=np.int64)
+    seeds = np.array([[ctx.seed("explore", p, n) for n in range(N)] for p in positions], dtype=np.int64)
     policy = ctx.load_policy(start)
     flat_prompts = [prompts[p] for p in range(P) for _ in range(N)]
     policy.explore_sync_seconds = 0.0

@@ -10,6 +10,7 @@ redoes everything downstream of a change.
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import shutil
 import types
@@ -28,9 +29,19 @@ from solrl.stages.explore import explore
 from solrl.stages.regenerate import regenerate
 from solrl.stages.score import score_explore, score_regenerate
 from solrl.stages.select import select
+from solrl.stages.sharding import Shard
 from solrl.stages.update import update
-from solrl.storage.artifacts import Artifact
-from solrl.storage.stage import StageManifest, StageOutput, inputs_hash, iteration_dir, read_manifest, run_or_skip
+from solrl.storage.artifacts import Artifact, CandidatePool, Samples, ZarrArtifact
+from solrl.storage.stage import (
+    StageManifest,
+    StageOutput,
+    inputs_hash,
+    iteration_dir,
+    read_manifest,
+    remove_dir,
+    require,
+    run_or_skip,
+)
 
 
 def _artifact_type(annotation: object) -> type[Artifact] | None:
@@ -42,17 +53,25 @@ def _artifact_type(annotation: object) -> type[Artifact] | None:
 
 @dataclass(frozen=True)
 class Stage:
-    """One stage: its name and function; what it reads is the function's typed parameters."""
+    """One stage: its name and function; what it reads is the function's typed parameters.
+
+    A stage with ``sharded`` (the Zarr artifact it writes) takes a keyword ``shard`` and may run as
+    ``campaign.shards`` shards of its prompts, each committed on its own, then one reduce (``run_stage``)."""
 
     name: str
     fn: Callable[..., StageOutput]
+    sharded: type[ZarrArtifact] | None = None
 
     @cached_property
     def reads(self) -> tuple[type[Artifact], ...]:
-        """The artifact types of ``fn``'s parameters after ``(ctx, out)``, in order."""
+        """The artifact types of ``fn``'s positional parameters after ``(ctx, out)``, in order."""
         hints = typing.get_type_hints(self.fn)
         reads = []
-        for param in list(inspect.signature(self.fn).parameters)[2:]:
+        for param in [
+            p.name
+            for p in list(inspect.signature(self.fn).parameters.values())[2:]
+            if p.kind is not inspect.Parameter.KEYWORD_ONLY
+        ]:
             artifact = _artifact_type(hints.get(param))
             if artifact is None:
                 raise TypeError(f"stage {self.name}: parameter {param!r} is not annotated with a typed artifact")
@@ -61,10 +80,10 @@ class Stage:
 
 
 ITERATION: tuple[Stage, ...] = (
-    Stage("explore", explore),
+    Stage("explore", explore, CandidatePool),
     Stage("score_explore", score_explore),
     Stage("select", select),
-    Stage("regenerate", regenerate),
+    Stage("regenerate", regenerate, Samples),
     Stage("score_regenerate", score_regenerate),
     Stage("audit", audit),
     Stage("update", update),
@@ -106,14 +125,81 @@ def stage_key(ctx: StageContext, stage: Stage) -> str:
 
 
 def clean_stale(ctx: StageContext, name: str) -> None:
-    """Remove temporary and trash folders a killed process left for this stage (the caller holds the run lock)."""
+    """Remove temporary and trash folders a killed process left for this stage and its shards (the caller holds
+    the run lock)."""
     parent = iteration_dir(ctx.run_dir, ctx.iteration)
-    for path in list(parent.glob(f".{name}.tmp-*")) + list(parent.glob(f".{name}.trash-*")):
+    stale = [*parent.glob(f".{name}.tmp-*"), *parent.glob(f".{name}.trash-*")]
+    shards = parent / shards_folder(name)
+    stale += [*shards.glob(".*.tmp-*"), *shards.glob(".*.trash-*")]
+    for path in stale:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def shards_folder(name: str) -> str:
+    """The folder, in the iteration's folder, holding the committed shards of stage ``name`` until its reduce."""
+    return f"{name}.shards"
+
+
+def stage_shards(ctx: StageContext, stage: Stage) -> list[Shard]:
+    """The shards ``stage`` runs as at ``ctx.iteration``: ``campaign.shards`` of them, at most one per prompt;
+    one (the whole stage) for a stage that does not shard."""
+    if stage.sharded is None:
+        return [Shard()]
+    count = min(ctx.cfg.campaign.shards, ctx.cfg.campaign.prompts_per_iteration)
+    return [Shard(index, count) for index in range(count)]
+
+
+def _shard_key(key: str, shard: Shard) -> str:
+    return hashlib.sha256(f"{key}:{shard.name}".encode()).hexdigest()
+
+
+def run_shard(ctx: StageContext, name: str, shard: Shard) -> tuple[StageManifest, bool]:
+    """Run (or skip) one shard of a sharded stage: its prompts only, committed atomically on its own under
+    ``<stage>.shards/<shard>`` (so a failed or killed shard is redone alone). Skipped when the shard, or the
+    whole stage, is already committed for the stage's inputs.
+
+    Returns:
+        (manifest, skipped): the shard's manifest, or the stage's when the stage is committed.
+    """
+    stage = STAGES[name]
+    key = stage_key(ctx, stage)
+    committed = read_manifest(ctx.run_dir, ctx.iteration, name, verify=True)
+    if committed is not None and committed.inputs_hash == key:
+        return committed, True
+
+    def write(out: Path) -> StageOutput:
+        inputs = [artifact.load(ctx.run_dir, ctx.iteration) for artifact in stage.reads]
+        return stage.fn(ctx, out, *inputs, shard=shard)
+
+    folder = iteration_dir(ctx.run_dir, ctx.iteration) / shards_folder(name)
+    for stale in [*folder.glob(f".{shard.name}.tmp-*"), *folder.glob(f".{shard.name}.trash-*")]:  # a killed try's
+        shutil.rmtree(stale, ignore_errors=True)
+    where = f"{shards_folder(name)}/{shard.name}"
+    return run_or_skip(ctx.run_dir, ctx.run_id, ctx.iteration, where, _shard_key(key, shard), write)
+
+
+def merge_outputs(manifests: list[StageManifest]) -> StageOutput:
+    """The stage output of its shards: ``*seconds`` metrics summed, other metrics from the first shard; integer
+    info summed (counts), warnings joined, other info from the first shard."""
+    metrics = dict(manifests[0].metrics)
+    for key in metrics:
+        if key.endswith("seconds"):
+            metrics[key] = sum(m.metrics.get(key, 0.0) for m in manifests)
+    info = dict(manifests[0].info)
+    for key, value in info.items():
+        if key == "warnings":
+            info[key] = list(dict.fromkeys(w for m in manifests for w in m.info.get(key, [])))
+        elif isinstance(value, int) and not isinstance(value, bool):
+            info[key] = sum(int(m.info.get(key, 0)) for m in manifests)
+    info["shards"] = len(manifests)
+    return StageOutput(metrics=metrics, info=info)
 
 
 def run_stage(ctx: StageContext, name: str) -> tuple[StageManifest, bool]:
     """Run stage ``name`` of ``ctx.iteration`` unless its committed manifest matches its inputs.
+
+    A sharded stage (``campaign.shards`` > 1) runs its missing shards (``run_shard``; the flow runs each as
+    its own task first), then commits the concatenation of their outputs as the stage, then removes the shards.
 
     Returns:
         (manifest, skipped).
@@ -123,12 +209,29 @@ def run_stage(ctx: StageContext, name: str) -> tuple[StageManifest, bool]:
     """
     stage = STAGES[name]
     clean_stale(ctx, name)
+    shards, key = stage_shards(ctx, stage), stage_key(ctx, stage)
+    if len(shards) == 1:
 
-    def write(out: Path) -> StageOutput:
-        inputs = [artifact.load(ctx.run_dir, ctx.iteration) for artifact in stage.reads]
-        return stage.fn(ctx, out, *inputs)
+        def write(out: Path) -> StageOutput:
+            inputs = [artifact.load(ctx.run_dir, ctx.iteration) for artifact in stage.reads]
+            return stage.fn(ctx, out, *inputs)
 
-    return run_or_skip(ctx.run_dir, ctx.run_id, ctx.iteration, name, stage_key(ctx, stage), write)
+        result = run_or_skip(ctx.run_dir, ctx.run_id, ctx.iteration, name, key, write)
+    else:
+        done = [run_shard(ctx, name, shard) for shard in shards]
+        committed = [manifest for manifest, _ in done if manifest.stage != name]
+        artifact = stage.sharded
+        assert artifact is not None
+
+        def reduce(out: Path) -> StageOutput:
+            folders = [require(ctx.run_dir, ctx.iteration, m.stage)[0] for m in committed]
+            artifact.concat([artifact.read(folder / artifact.filename) for folder in folders]).write(out)
+            return merge_outputs(committed)
+
+        seconds = sum(m.seconds for m in committed)
+        result = run_or_skip(ctx.run_dir, ctx.run_id, ctx.iteration, name, key, reduce, seconds)
+    remove_dir(iteration_dir(ctx.run_dir, ctx.iteration) / shards_folder(name))
+    return result
 
 
 def first_pending(ctx0: StageContext) -> tuple[int, str] | None:

@@ -9,6 +9,7 @@ import numpy as np
 from solrl.stages.context import StageContext
 from solrl.stages.quant.backends import rollout_network
 from solrl.stages.sampling.rollout import generate, trajectory_arrays
+from solrl.stages.sharding import WHOLE, Shard
 from solrl.storage.artifacts import CandidatePool, Samples, Selection, StartingPolicy
 from solrl.storage.stage import StageOutput
 
@@ -17,7 +18,13 @@ _TRAINABLE = ("images", "latents", "trajectory", "log_probs")
 
 
 def regenerate(
-    ctx: StageContext, out: Path, selection: Selection, pool: CandidatePool, start: StartingPolicy | None
+    ctx: StageContext,
+    out: Path,
+    selection: Selection,
+    pool: CandidatePool,
+    start: StartingPolicy | None,
+    *,
+    shard: Shard = WHOLE,
 ) -> StageOutput:
     """Regenerate the kept seeds at ``regenerate.steps`` in BF16 (float32 on CPU) with the rollout policy
     ``start``.
@@ -27,10 +34,14 @@ def regenerate(
     rollouts (``train.loss=flow_grpo``) also the trajectory float32 ``[P, k, S + 1, C, h, w]`` and the per-step
     log-probs float32 ``[P, k, S]`` (fp32, the "old" log-probs of the PPO ratio). With
     ``regenerate.enabled=false`` nothing is sampled: the kept explore samples are copied (the naive-FP4,
-    BF16-scaling and DiffusionNFT baselines train on their rollouts directly).
+    BF16-scaling and DiffusionNFT baselines train on their rollouts directly). With ``shard``, only that shard's
+    groups (``P`` of them).
     """
     ordered = selection.ordered
     P, k = selection.shape
+    positions = np.asarray(shard.positions(P), dtype=np.int64)
+    ordered = ordered[ordered["group"].isin(positions)]
+    P = len(positions)
     kept = ordered["candidate_index"].to_numpy(np.int64).reshape(P, k)
     if ctx.cfg.regenerate.enabled:
         policy = ctx.load_policy(start)
@@ -51,7 +62,7 @@ def regenerate(
         arrays = {"images": images.reshape(P, k, *images.shape[1:]), **trajectory_arrays(traj, (P, k), noise_level > 0)}
         precision, sde_steps = "bf16", traj.sde.tolist()
     else:
-        rows = np.arange(P)[:, None]
+        rows = positions[:, None]
         arrays = {name: getattr(pool, name)[rows, kept] for name in _TRAINABLE if getattr(pool, name) is not None}
         precision, sde_steps = pool.attrs["precision"], pool.attrs["sde_steps"]
     groups = ordered.groupby("group", sort=True)

@@ -28,6 +28,7 @@ from solrl.storage.checkpoints import load_checkpoint, save_checkpoint
 from solrl.storage.stage import StageManifest, fault_point, read_manifest, require, stage_dir
 
 A = TypeVar("A", bound="Artifact")
+Z = TypeVar("Z", bound="ZarrArtifact")
 
 
 class Artifact:
@@ -134,6 +135,25 @@ class ZarrArtifact(Artifact):
     @property
     def prompts(self) -> list[str]:
         return list(self.attrs["prompts"])
+
+    @classmethod
+    def concat(cls: type[Z], parts: list[Z]) -> Z:
+        """One artifact from shards of the prompt axis, in order: every array concatenated along axis 0, attrs
+        ``prompts`` concatenated, the other attrs from the first part (the same in every shard).
+
+        Raises:
+            ValueError: no parts, or parts that do not hold the same arrays.
+        """
+        if not parts:
+            raise ValueError(f"{cls.__name__}.concat: no parts")
+        names = [sorted(part.arrays()) for part in parts]
+        if any(n != names[0] for n in names):
+            raise ValueError(f"{cls.__name__}.concat: the parts hold different arrays: {names}")
+        arrays = {name: np.concatenate([part.arrays()[name] for part in parts]) for name in names[0]}
+        attrs = dict(parts[0].attrs)
+        if "prompts" in attrs:
+            attrs["prompts"] = [p for part in parts for p in part.prompts]
+        return cls(attrs=attrs, **arrays)  # type: ignore[call-arg]
 
 
 _IMAGE = ("y", "x", "rgb")

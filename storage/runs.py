@@ -111,6 +111,28 @@ def open_run(root: str | Path, run_id: str) -> Run:
     return Run(run_id, run_dir, cfg, data["config_hash"], data.get("prompts_sha256"), data.get("weights"))
 
 
+def set_shards(root: str | Path, run_id: str, shards: int) -> None:
+    """Record a new ``campaign.shards`` in the run's ``run.json`` (atomically; the caller holds no other writer).
+
+    The shard count lays the work out without changing any result (``solrl.config.LAYOUT_FIELDS``), so the
+    config hash and every committed stage stay valid: a run killed with 2 shards may resume with 4.
+
+    Raises:
+        ConfigError: no such run, an unreadable ``run.json``, or ``shards < 1``.
+    """
+    if shards < 1:
+        raise ConfigError(f"--shards {shards}: give at least 1")
+    run = open_run(root, run_id)
+    if run.config.campaign.shards == shards:
+        return
+    path = run.run_dir / RUN_FILE
+    data = json.loads(path.read_text(encoding="utf-8"))
+    data["config"]["campaign"]["shards"] = shards
+    if config_digest(data["config"]) != data["config_hash"]:  # the layout field is outside the hash
+        raise ConfigError(f"{path}: changing campaign.shards would change the config hash")
+    write_json_atomic(path, data)
+
+
 def list_runs(root: str | Path) -> list[dict[str, object]]:
     """Summaries of the runs under ``root``, oldest first: id, created, iterations committed."""
     rows = []

@@ -188,7 +188,7 @@ def require(run_dir: Path, iteration: int, stage: str) -> tuple[Path, StageManif
     return stage_dir(run_dir, iteration, stage), manifest
 
 
-def _remove(path: Path) -> None:
+def remove_dir(path: Path) -> None:
     """Remove an uncommitted stage directory: rename it aside first so a crash never half-deletes in place."""
     if not path.exists():
         return
@@ -198,25 +198,32 @@ def _remove(path: Path) -> None:
 
 
 def commit(
-    run_dir: Path, run_id: str, iteration: int, stage: str, key: str, write: Callable[[Path], StageOutput]
+    run_dir: Path,
+    run_id: str,
+    iteration: int,
+    stage: str,
+    key: str,
+    write: Callable[[Path], StageOutput],
+    prior_seconds: float = 0.0,
 ) -> StageManifest:
     """Run ``write(tmp_dir)`` and commit what it wrote as the stage's output.
 
     Steps: write into a fresh temporary sibling; fsync; move any previous (uncommitted or stale) directory
     aside; rename the temporary directory into place; write the manifest last. On any exception the
-    temporary directory is removed and nothing is committed.
+    temporary directory is removed and nothing is committed. The manifest's ``seconds`` are the commit's plus
+    ``prior_seconds`` (a sharded stage's shards).
     """
     global _committing
     final = stage_dir(run_dir, iteration, stage)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.with_name(f".{stage}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:8]}")
     tmp.mkdir()
     start = time.perf_counter()
     _committing = (iteration, stage)
     try:
         output = write(tmp)
         files = _fsync_tree(tmp)
-        _remove(final)
+        remove_dir(final)
         os.replace(tmp, final)
         fault_point("renamed")
     except BaseException:
@@ -231,7 +238,7 @@ def commit(
         files=files,
         metrics={k: float(v) for k, v in output.metrics.items()},
         info=output.info,
-        seconds=round(time.perf_counter() - start, 4),
+        seconds=round(time.perf_counter() - start + prior_seconds, 4),
         created=datetime.now(timezone.utc).isoformat(),
     )
     try:
@@ -243,7 +250,13 @@ def commit(
 
 
 def run_or_skip(
-    run_dir: Path, run_id: str, iteration: int, stage: str, key: str, write: Callable[[Path], StageOutput]
+    run_dir: Path,
+    run_id: str,
+    iteration: int,
+    stage: str,
+    key: str,
+    write: Callable[[Path], StageOutput],
+    prior_seconds: float = 0.0,
 ) -> tuple[StageManifest, bool]:
     """Commit the stage unless a committed manifest with inputs hash ``key`` exists.
 
@@ -253,4 +266,4 @@ def run_or_skip(
     existing = read_manifest(run_dir, iteration, stage, verify=True)  # a corrupted output is redone
     if existing is not None and existing.inputs_hash == key:
         return existing, True
-    return commit(run_dir, run_id, iteration, stage, key, write), False
+    return commit(run_dir, run_id, iteration, stage, key, write, prior_seconds), False

@@ -1,0 +1,158 @@
+"""Sharded stages (issue 11): explore and regenerate split into prompt shards, each committed on its own, then
+one reduce. The answer must not depend on the shard count, a killed shard is redone alone, and a run killed
+with one shard count resumes with another to the same result."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from conftest import tiny_config
+from test_faults import outputs
+
+from solrl.stages.context import StageContext
+from solrl.stages.pipeline import STAGES, campaign_plan, run_shard, run_stage, shards_folder, stage_shards
+from solrl.stages.sharding import Shard
+from solrl.storage.runs import create_run, open_run, set_shards
+from solrl.storage.stage import FAULT_ENV, read_manifest
+
+RUN_ID = "shards"
+#: Four prompts per iteration, so 1, 2 and 4 shards all divide differently (4: one prompt per shard).
+FOUR_PROMPTS = ("campaign.prompts_per_iteration=4",)
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 4, 7])
+def test_shards_split_the_prompts_into_contiguous_non_empty_blocks_in_order(count: int):
+    prompts = 7
+    blocks = [Shard(index, count).positions(prompts) for index in range(count)]
+    assert [p for block in blocks for p in block] == list(range(prompts))
+    assert all(len(block) >= 1 for block in blocks)
+    assert max(map(len, blocks)) - min(map(len, blocks)) <= 1
+    with pytest.raises(ValueError, match="outside"):
+        Shard(count, count)
+
+
+def campaign(store: str, shards: int, fault: str | None = None) -> None:
+    """Create or resume run ``shards`` in ``store`` with ``campaign.shards=shards`` and run its whole plan through
+    the stage functions (in a child when ``fault`` kills it)."""
+    torch.set_num_threads(1)
+    if fault is None:
+        os.environ.pop(FAULT_ENV, None)
+    else:
+        os.environ[FAULT_ENV] = fault
+    if (Path(store) / RUN_ID).exists():
+        set_shards(store, RUN_ID, shards)
+        run = open_run(store, RUN_ID)
+    else:
+        run = create_run(tiny_config(Path(store), *FOUR_PROMPTS, f"campaign.shards={shards}"), RUN_ID)
+    for iteration, stages in campaign_plan(run.config):
+        ctx = StageContext(run.config, run.run_dir, run.run_id, iteration, run.config_hash)
+        for stage in stages:
+            run_stage(ctx, stage)
+
+
+def assert_same_outputs(got_dir: Path, expected_dir: Path) -> None:
+    """Every Parquet table equal; every Zarr array and checkpoint tensor equal within float tolerance (a shard
+    samples a smaller batch: CPU kernels may round its last bits differently); the kept seeds identical."""
+    expected, got = outputs(expected_dir), outputs(got_dir)
+    assert sorted(got) == sorted(expected)
+    for key, value in expected.items():
+        if isinstance(value, pd.DataFrame):
+            pd.testing.assert_frame_equal(got[key], value, obj=key, check_exact=False, rtol=1e-4, atol=1e-5)
+        elif isinstance(value, torch.Tensor):
+            torch.testing.assert_close(got[key], value, rtol=1e-4, atol=1e-5, msg=key)
+        elif value.dtype == np.uint8:  # images: at most one grey level apart
+            assert np.abs(got[key].astype(int) - value.astype(int)).max() <= 1, key
+        else:
+            np.testing.assert_allclose(got[key], value, rtol=1e-4, atol=1e-5, err_msg=key)
+    for path in sorted(expected_dir.rglob("selection.parquet")):
+        kept = ["group", "slot", "candidate_index", "seed"]
+        pd.testing.assert_frame_equal(
+            pd.read_parquet(got_dir / path.relative_to(expected_dir))[kept], pd.read_parquet(path)[kept]
+        )
+
+
+@pytest.mark.slow
+def test_two_and_four_shards_give_the_one_shard_run_and_leave_no_shard_folder(tmp_path: Path):
+    campaign(str(tmp_path / "one"), 1)
+    for count in (2, 4):
+        campaign(str(tmp_path / f"s{count}"), count)
+        run_dir = tmp_path / f"s{count}" / RUN_ID
+        assert_same_outputs(run_dir, tmp_path / "one" / RUN_ID)
+        assert not list(run_dir.rglob("*.shards"))
+        manifest = read_manifest(run_dir, 1, "explore")
+        assert manifest is not None and manifest.info["shards"] == count and manifest.info["prompts"] == 4
+        # The stage keys do not depend on the layout: the shard count is outside the config hash.
+        assert tiny_config(tmp_path, f"campaign.shards={count}").digest() == tiny_config(tmp_path).digest()
+
+
+def run_in_child(store: Path, shards: int, fault: str) -> int | None:
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["solrl.stages.pipeline", "conftest"])
+    child = context.Process(target=campaign, args=(str(store), shards, fault))
+    child.start()
+    child.join(timeout=600)
+    return child.exitcode
+
+
+@pytest.mark.slow
+def test_a_shard_killed_mid_write_is_redone_alone_and_a_resume_may_change_the_shard_count(tmp_path: Path):
+    campaign(str(tmp_path / "reference"), 1)
+    store = tmp_path / "killed"
+    # Killed while shard 2 of 2 of iteration 1's explore writes its pool: shard 1 is committed, shard 2 is not.
+    assert run_in_child(store, 2, "1:explore.shards/001-of-002:write") == -9
+    run = open_run(store, RUN_ID)
+    ctx = StageContext(run.config, run.run_dir, run.run_id, 1, run.config_hash)
+    folder = run.run_dir / "iter_000001" / shards_folder("explore")
+    first = read_manifest(run.run_dir, 1, "explore.shards/000-of-002")
+    assert first is not None and read_manifest(run.run_dir, 1, "explore.shards/001-of-002") is None
+    assert read_manifest(run.run_dir, 1, "explore") is None
+    assert [s.name for s in stage_shards(ctx, STAGES["explore"])] == ["000-of-002", "001-of-002"]
+    assert run_shard(ctx, "explore", Shard(0, 2))[1] is True  # committed: kept
+    assert run_shard(ctx, "explore", Shard(1, 2))[1] is False  # redone alone
+    assert read_manifest(run.run_dir, 1, "explore.shards/000-of-002").created == first.created
+    assert not [p for p in folder.iterdir() if ".tmp-" in p.name]
+
+    # Killed again in iteration 2's regenerate with 2 shards, resumed with 4: the same final run.
+    assert run_in_child(store, 2, "2:regenerate.shards/001-of-002:write") == -9
+    campaign(str(store), 4)
+    assert open_run(store, RUN_ID).config.campaign.shards == 4
+    assert_same_outputs(store / RUN_ID, tmp_path / "reference" / RUN_ID)
+    leftovers = [p for p in (store / RUN_ID).rglob("*") if ".tmp-" in p.name or ".trash-" in p.name]
+    assert leftovers == [] and not list((store / RUN_ID).rglob("*.shards"))
+
+
+@pytest.mark.slow
+def test_through_prefect_each_shard_is_its_own_task_run(tmp_path: Path):
+    from prefect.client.orchestration import get_client
+
+    from solrl.flows.sol_rl import campaign as prefect_campaign
+
+    run = create_run(tiny_config(tmp_path, "campaign.iterations=1", "campaign.shards=2"), "prefect-shards")
+    prefect_campaign(str(tmp_path), run.run_id)
+    manifest = read_manifest(run.run_dir, 1, "regenerate", verify=True)
+    assert manifest is not None and manifest.info["shards"] == 2
+    with get_client(sync_client=True) as client:
+        names = {task_run.name for task_run in client.read_task_runs()}
+    for stage in ("explore", "regenerate"):
+        assert {f"{stage}[1] shard 0/2", f"{stage}[1] shard 1/2", f"{stage}[1]"} <= names, sorted(names)
+
+
+def test_resume_may_record_another_shard_count_without_touching_the_config_hash(tmp_path: Path):
+    from typer.testing import CliRunner
+
+    from solrl.cli import app
+
+    run = create_run(tiny_config(tmp_path, "campaign.iterations=1", "campaign.shards=2"), "reshard")
+    for stage in campaign_plan(run.config)[0][1]:  # iteration 0 only; the resume below finds work to do
+        run_stage(StageContext(run.config, run.run_dir, run.run_id, 0, run.config_hash), stage)
+    bad = CliRunner().invoke(app, ["resume", "reshard", "--store", str(tmp_path), "--shards", "0"])
+    assert bad.exit_code == 2 and open_run(tmp_path, "reshard").config.campaign.shards == 2
+    set_shards(tmp_path, "reshard", 3)
+    reopened = open_run(tmp_path, "reshard")
+    assert reopened.config.campaign.shards == 3 and reopened.config_hash == run.config_hash
