@@ -16,6 +16,7 @@ from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settin
 
 from solrl.flows.progress import current as current_progress
 from solrl.flows.progress import start as start_progress
+from solrl.flows.runners import shard_task_runner
 from solrl.stages.context import StageContext
 from solrl.stages.pipeline import ITERATION, STAGES, campaign_plan, run_shard, run_stage, stage_shards
 from solrl.stages.runnable import check_runnable
@@ -85,7 +86,9 @@ def _tracker(run) -> Tracker:
     return _TRACKERS[key]
 
 
-def _run_and_track(store: str, run_id: str, iteration: int, stage: str, tracker: Tracker, retries: int) -> dict:
+def _run_and_track(
+    store: str, run_id: str, iteration: int, stage: str, tracker: Tracker, retries: int, parallel: bool = False
+) -> dict:
     """Run (or skip) a stage, then log its artifacts and metrics to MLflow unless they already are: a process
     killed between the stage's commit and its logging is caught up on resume. ``seconds/<stage>``, logged in
     the last batch after the artifacts, marks the stage as logged."""
@@ -94,9 +97,14 @@ def _run_and_track(store: str, run_id: str, iteration: int, stage: str, tracker:
         progress.stage_started(iteration, stage)
     run = open_run(store, run_id)
     shards = stage_shards(StageContext(run.config, run.run_dir, run_id, iteration, run.config_hash), STAGES[stage])
-    if len(shards) > 1:  # each shard its own task, in order (one model per process: threads would share it)
+    task = shard_task.with_options(retries=retries)
+    if len(shards) > 1 and parallel:  # at once, on the flow's task runner (Dask: a process per shard)
+        futures = [task.submit(store, run_id, iteration, stage, s.index, s.count) for s in shards]
+        for future in futures:
+            future.result()  # the first shard that failed (after its retries) fails the stage
+    elif len(shards) > 1:  # in order, in this process (one model in memory: threads would share it)
         for shard in shards:
-            shard_task.with_options(retries=retries)(store, run_id, iteration, stage, shard.index, shard.count)
+            task(store, run_id, iteration, stage, shard.index, shard.count)
     result = stage_task.with_options(retries=retries)(store, run_id, iteration, stage)
     manifest = result["manifest"]
     if progress is not None:
@@ -113,9 +121,12 @@ def _run_and_track(store: str, run_id: str, iteration: int, stage: str, tracker:
 
 
 @flow(name="sol-rl-iteration", flow_run_name="{run_id}-iter{iteration}")
-def sol_rl_iteration(store: str, run_id: str, iteration: int, stages: list[str]) -> dict[str, float]:
+def sol_rl_iteration(
+    store: str, run_id: str, iteration: int, stages: list[str], parallel_shards: bool = False
+) -> dict[str, float]:
     """One Sol-RL iteration: its due ``stages`` in order (explore -> score -> select -> regenerate -> score ->
-    [audit] -> update -> checkpoint -> [evaluate]).
+    [audit] -> update -> checkpoint -> [evaluate]); with ``parallel_shards``, a sharded stage's shards are
+    submitted at once to the flow's task runner (``flows.runners``).
 
     Returns the metrics of the stages (skipped stages contribute their recorded metrics too).
     """
@@ -124,7 +135,7 @@ def sol_rl_iteration(store: str, run_id: str, iteration: int, stages: list[str])
     retries = run.config.campaign.stage_retries
     metrics: dict[str, float] = {}
     for stage in stages:
-        result = _run_and_track(store, run_id, iteration, stage, tracker, retries)
+        result = _run_and_track(store, run_id, iteration, stage, tracker, retries, parallel_shards)
         metrics.update(result["manifest"]["metrics"])
     return metrics
 
@@ -161,7 +172,8 @@ def campaign(store: str, run_id: str) -> dict[str, float]:
     for warning in run.config.warnings():
         logger.warning(warning)
     (_, start), *iterations = campaign_plan(run.config)
-    with run_lock(run.run_dir):
+    with run_lock(run.run_dir), shard_task_runner(run.config) as runner:
+        iteration_flow = sol_rl_iteration if runner is None else sol_rl_iteration.with_options(task_runner=runner)
         tracker = _tracker(run)
         metrics: dict[str, float] = {}
         progress = start_progress(campaign_plan(run.config))
@@ -173,7 +185,7 @@ def campaign(store: str, run_id: str) -> dict[str, float]:
                 # No heartbeat thread per iteration subflow: the campaign's own heartbeat already tells the server
                 # this process lives, and each subflow's thread cost up to 1 s to join at its end.
                 with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
-                    metrics = sol_rl_iteration(store, run_id, iteration, stages)
+                    metrics = iteration_flow(store, run_id, iteration, stages, runner is not None)
                 logger.info(progress.summary(iteration))
         except (KeyboardInterrupt, TerminationSignal):  # Ctrl-C; SIGTERM (Prefect raises its TerminationSignal)
             _mark_stopped(tracker, "KILLED", logger)

@@ -253,6 +253,14 @@ class CampaignConfig(_Section):
         "folder, then one reduce writes the stage (at most one shard per prompt). Layout only: results and cache "
         "keys do not depend on it, so `solrl resume --shards N` may change it.",
     )
+    task_runner: Literal["local", "dask"] = Field(
+        "local",
+        description="Where shard tasks run: local = in order, in the campaign's process; dask = at once, on a Dask "
+        "cluster (campaign.dask_address, or a local one with a worker process per shard). Layout only.",
+    )
+    dask_address: str | None = Field(
+        None, description="Scheduler of an existing Dask cluster (e.g. tcp://10.0.0.5:8786) for task_runner=dask."
+    )
 
 
 class RunConfig(_Section):
@@ -397,7 +405,7 @@ def _registered(registry: Any, name: str, field: str) -> Any:
 
 #: Config fields that lay the work out without changing any result: not part of the config hash, so a run may
 #: be resumed with other values (``campaign.shards``).
-LAYOUT_FIELDS = (("campaign", "shards"),)
+LAYOUT_FIELDS = (("campaign", "shards"), ("campaign", "task_runner"), ("campaign", "dask_address"))
 
 
 def config_digest(data: dict[str, Any]) -> str:

@@ -156,3 +156,16 @@ def test_resume_may_record_another_shard_count_without_touching_the_config_hash(
     set_shards(tmp_path, "reshard", 3)
     reopened = open_run(tmp_path, "reshard")
     assert reopened.config.campaign.shards == 3 and reopened.config_hash == run.config_hash
+
+
+@pytest.mark.slow
+def test_two_shards_on_a_local_dask_cluster_give_the_one_shard_run(tmp_path: Path):
+    """Through the Prefect flow, each shard task submitted to a local Dask cluster of 2 worker processes."""
+    from solrl.flows.sol_rl import campaign as prefect_campaign
+
+    campaign(str(tmp_path / "reference"), 1)
+    cfg = tiny_config(tmp_path / "dask", *FOUR_PROMPTS, "campaign.shards=2", "campaign.task_runner=dask")
+    run = create_run(cfg, RUN_ID)
+    prefect_campaign(str(run.run_dir.parent), RUN_ID)
+    assert_same_outputs(run.run_dir, tmp_path / "reference" / RUN_ID)
+    assert read_manifest(run.run_dir, 2, "explore").info["shards"] == 2
