@@ -150,6 +150,13 @@ class TrainConfig(_Section):
     micro_batch: int = Field(
         64, ge=1, description="Samples per forward/backward pass of the update (gradients accumulate over them)."
     )
+    nproc_per_node: int = Field(
+        1,
+        ge=1,
+        description="Processes of the update (torchrun --nproc-per-node; DDP-style gradient all-reduce, NCCL on GPUs "
+        "with one GPU per process, gloo on CPU). Layout only: the trained weights equal one process's within float "
+        "tolerance.",
+    )
     timestep_fraction: float = Field(
         0.6, gt=0, le=1, description="Fraction of the sampling timesteps trained per step."
     )
@@ -405,7 +412,12 @@ def _registered(registry: Any, name: str, field: str) -> Any:
 
 #: Config fields that lay the work out without changing any result: not part of the config hash, so a run may
 #: be resumed with other values (``campaign.shards``).
-LAYOUT_FIELDS = (("campaign", "shards"), ("campaign", "task_runner"), ("campaign", "dask_address"))
+LAYOUT_FIELDS = (
+    ("campaign", "shards"),
+    ("campaign", "task_runner"),
+    ("campaign", "dask_address"),
+    ("train", "nproc_per_node"),
+)
 
 
 def config_digest(data: dict[str, Any]) -> str:

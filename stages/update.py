@@ -14,6 +14,7 @@ from solrl.stages.losses.advantages import Advantages, group_advantages, prompt_
 from solrl.stages.losses.base import Batch
 from solrl.stages.models.policy import ADAPTERS, Policy
 from solrl.stages.sampling.samplers import batched
+from solrl.stages.sharding import Shard
 from solrl.storage.artifacts import (
     RegeneratedRewards,
     RewardStats,
@@ -27,13 +28,14 @@ from solrl.storage.stage import StageOutput
 
 
 def advantages(
-    ctx: StageContext, prompts: list[str], rewards: np.ndarray, stats: RewardStats | None, out: Path
+    ctx: StageContext, prompts: list[str], rewards: np.ndarray, stats: RewardStats | None, out: Path | None
 ) -> Advantages:
     """The advantages ``[P, k]`` of this iteration's rewards under ``train.advantage_stats``.
 
     ``per_prompt`` continues the buffers ``stats`` the previous iteration's update committed (None at iteration
     1, or when that update used group statistics) and commits the updated buffers as this stage's
-    ``RewardStats``, so the tracker's state is part of the run: resumable and auditable.
+    ``RewardStats`` (into ``out``; None: not written, on the ranks of a multi-process update but the first),
+    so the tracker's state is part of the run: resumable and auditable.
     """
     tc = ctx.cfg.train
     if tc.advantage_stats == "group":
@@ -47,11 +49,12 @@ def advantages(
         global_std=tc.global_std,
         clip=tc.adv_clip_max,
     )
-    RewardStats(
-        pd.DataFrame(
-            {"prompt": [p for p, v in updated.items() for _ in v], "reward": np.concatenate(list(updated.values()))}
-        )
-    ).write(out)
+    if out is not None:
+        RewardStats(
+            pd.DataFrame(
+                {"prompt": [p for p, v in updated.items() for _ in v], "reward": np.concatenate(list(updated.values()))}
+            )
+        ).write(out)
     return adv
 
 
@@ -83,6 +86,29 @@ def update(
     stats: RewardStats | None,
     start: StartingPolicy | None,
 ) -> StageOutput:
+    """The update stage: ``train_policy`` in this process, or with ``train.nproc_per_node`` > 1 under torchrun
+    (``solrl.stages.distributed``), which writes the same outputs into ``out``.
+
+    Raises:
+        FloatingPointError: a non-finite gradient norm. RuntimeError: a torchrun process failed.
+    """
+    if ctx.cfg.train.nproc_per_node > 1:
+        from solrl.stages.distributed import launch_update
+
+        return launch_update(ctx, out)
+    return train_policy(ctx, out, samples, rewards, stats, start)
+
+
+def train_policy(
+    ctx: StageContext,
+    out: Path | None,
+    samples: Samples,
+    rewards: RegeneratedRewards,
+    stats: RewardStats | None,
+    start: StartingPolicy | None,
+    rank: int = 0,
+    world: int = 1,
+) -> StageOutput:
     """``train.optimizer_steps`` AdamW steps of the policy loss (a registered ``train.loss``) on the group
     samples, starting from the policy, optimizer and step of ``start``.
 
@@ -93,7 +119,12 @@ def update(
     policy. Before the first step it measures how far the rollout is from on-policy
     (``train/on_policy_max_dev``: nft ``max|v_theta - v_old|``, flow_grpo ``max|log_prob - old_log_prob|``).
     Writes ``TrainedState`` (adapters, optimizer, rng, state), ``UpdateMetrics`` (one row per step) and, with
-    ``train.advantage_stats=per_prompt``, ``RewardStats``.
+    ``train.advantage_stats=per_prompt``, ``RewardStats`` into ``out`` (None: nothing written).
+
+    With ``world`` > 1 (an initialised ``torch.distributed`` process group; ``solrl.stages.distributed``) this
+    process computes rows ``Shard(rank, world)`` of every micro-batch, and the gradients, loss terms and
+    on-policy deviation are all-reduced before each step, as DDP does: every process then takes the same step.
+    The random draws are the one-process draws, so the result equals one process's within float tolerance.
 
     Raises:
         FloatingPointError: a non-finite gradient norm.
@@ -122,13 +153,20 @@ def update(
         acc: dict[str, float] = {}
         for t_index in (trainable[i] for i in chosen):
             for mb in batched(B, tc.micro_batch):
-                loss, terms, deviation = loss_fn.terms(policy, batch, t_index, mb, g, ctx.cfg)
+                part = _rows(mb, rank, world)
+                loss, terms, deviation = loss_fn.terms(policy, batch, t_index, mb, g, ctx.cfg, part)
+                if loss is None:  # no row of this micro-batch is this process's
+                    continue
                 if not rows:  # before any update in this iteration
                     on_policy_dev = max(on_policy_dev or 0.0, deviation)
-                weight = (mb.stop - mb.start) / B / n_t
+                weight = (part.stop - part.start) / B / n_t
                 (loss * weight).backward()
                 for key, value in [("loss", loss.item()), *terms.items()]:
                     acc[key] = acc.get(key, 0.0) + value * weight
+        if world > 1:
+            acc, deviation_max = _all_reduce(params, acc, (on_policy_dev or 0.0) if not rows else None)
+            if not rows:
+                on_policy_dev = deviation_max
         grad_norm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip).item()
         if not np.isfinite(grad_norm):
             raise FloatingPointError(
@@ -147,6 +185,8 @@ def update(
         policy.blend_("ema", "policy", tc.ema_decay)
         rows.append({"optimizer_step": step, **acc, "grad_norm": grad_norm, "rollout_decay": decay, "skipped": 0})
 
+    if out is None:
+        return StageOutput()
     tensors, groups = optimizer_to_tensors(opt)
     TrainedState(
         {
@@ -191,6 +231,42 @@ def update(
             )
         )
     return StageOutput(metrics=metrics, info={"warnings": warnings})
+
+
+def _rows(mb: slice, rank: int, world: int) -> slice:
+    """Process ``rank``'s rows of micro-batch ``mb``: block ``rank`` of ``world`` contiguous blocks."""
+    if world == 1:
+        return mb
+    block = Shard(rank, world).positions(mb.stop - mb.start)
+    return slice(mb.start + block.start, mb.start + block.stop)
+
+
+def _all_reduce(
+    params: list[torch.nn.Parameter], acc: dict[str, float], deviation: float | None
+) -> tuple[dict[str, float], float | None]:
+    """Sum the gradients and the weighted loss terms over the processes (each holds its rows' share), and take
+    the largest on-policy deviation; returns (terms, deviation). Gradients travel as one flat buffer."""
+    import torch.distributed as dist
+
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([grad.reshape(-1) for grad in grads])
+    dist.all_reduce(flat)
+    offset = 0
+    for p, grad in zip(params, grads, strict=True):
+        p.grad = flat[offset : offset + grad.numel()].view_as(grad).clone()
+        offset += grad.numel()
+    gathered: list[list[str]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(gathered, list(acc))  # a process with no rows has no keys
+    keys = sorted({k for ks in gathered for k in ks})  # the same order in every process
+    terms = torch.tensor([acc.get(k, 0.0) for k in keys], dtype=torch.float64, device=flat.device)  # NCCL: GPU
+    dist.all_reduce(terms)
+    if deviation is not None:
+        largest = torch.tensor([deviation], dtype=torch.float64, device=flat.device)
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+        deviation = float(largest.item())
+    summed = dict(zip(keys, terms.tolist(), strict=True))
+    first_seen = next((ks for ks in gathered if ks), [])  # the one-process column order (loss, then the terms)
+    return {k: summed[k] for k in [*first_seen, *(k for k in keys if k not in first_seen)]}, deviation
 
 
 def is_spike(grad_norm: float, history: list[float], factor: float | None, min_history: int = 4) -> bool:

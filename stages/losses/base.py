@@ -54,11 +54,22 @@ class PolicyLoss:
 
     @classmethod
     def terms(
-        cls, policy: Policy, batch: Batch, t_index: int, mb: slice, generator: torch.Generator, cfg: RunConfig
-    ) -> tuple[torch.Tensor, dict[str, float], float]:
+        cls,
+        policy: Policy,
+        batch: Batch,
+        t_index: int,
+        mb: slice,
+        generator: torch.Generator,
+        cfg: RunConfig,
+        part: slice | None = None,
+    ) -> tuple[torch.Tensor | None, dict[str, float], float]:
         """(scalar loss with grad, detached loss terms, on-policy deviation) of micro-batch ``mb`` at step
         ``t_index``. The deviation is how far the rollout that produced the samples is from the policy now
-        (0 before the first update of an on-policy iteration, up to rounding)."""
+        (0 before the first update of an on-policy iteration, up to rounding).
+
+        ``part`` (a sub-slice of ``mb``, absolute rows) computes only those rows, the loss their mean: one
+        process's share of a multi-process update. Random draws must still be made for the whole of ``mb``, in
+        the same order, so every layout sees the same numbers; an empty ``part`` returns a None loss."""
         raise NotImplementedError
 
     @classmethod

@@ -126,11 +126,22 @@ class FlowGRPO(PolicyLoss):
 
     @classmethod
     def terms(
-        cls, policy: Policy, batch: Batch, t_index: int, mb: slice, generator: torch.Generator, cfg: RunConfig
-    ) -> tuple[torch.Tensor, dict[str, float], float]:
-        """Flow-GRPO loss of stored step ``x_t -> x_{t+1}``; deviation ``max|log_prob - old_log_prob|``."""
+        cls,
+        policy: Policy,
+        batch: Batch,
+        t_index: int,
+        mb: slice,
+        generator: torch.Generator,
+        cfg: RunConfig,
+        part: slice | None = None,
+    ) -> tuple[torch.Tensor | None, dict[str, float], float]:
+        """Flow-GRPO loss of stored step ``x_t -> x_{t+1}`` for micro-batch ``mb`` (rows ``part`` of it; no random
+        draws); deviation ``max|log_prob - old_log_prob|``."""
         assert batch.trajectory is not None and batch.old_log_probs is not None
         tc, noise_level = cfg.train, cls.noise_level(cfg)
+        mb = mb if part is None else part
+        if mb.stop <= mb.start:
+            return None, {}, 0.0
         x_t, x_next = batch.trajectory[mb, t_index], batch.trajectory[mb, t_index + 1]
         n = x_t.shape[0]
         sigma, sigma_next = batch.sigmas[t_index].expand(n), batch.sigmas[t_index + 1].expand(n)

@@ -91,15 +91,27 @@ class NFT(PolicyLoss):
 
     @classmethod
     def terms(
-        cls, policy: Policy, batch: Batch, t_index: int, mb: slice, generator: torch.Generator, cfg: RunConfig
-    ) -> tuple[torch.Tensor, dict[str, float], float]:
-        """NFT loss of micro-batch ``mb`` re-noised at ``sigmas[t_index]``; deviation ``max|v_theta - v_old|``."""
+        cls,
+        policy: Policy,
+        batch: Batch,
+        t_index: int,
+        mb: slice,
+        generator: torch.Generator,
+        cfg: RunConfig,
+        part: slice | None = None,
+    ) -> tuple[torch.Tensor | None, dict[str, float], float]:
+        """NFT loss of micro-batch ``mb`` (rows ``part`` of it) re-noised at ``sigmas[t_index]``; deviation
+        ``max|v_theta - v_old|``."""
         tc = cfg.train
-        x0 = batch.x0[mb]
+        part = mb if part is None else part
+        eps = torch.randn(batch.x0[mb].shape, generator=generator)  # the whole micro-batch's draw, every layout
+        if part.stop <= part.start:
+            return None, {}, 0.0
+        x0 = batch.x0[part]
+        eps = eps[part.start - mb.start : part.stop - mb.start].to(x0.device)
         t = batch.sigmas[t_index].expand(x0.shape[0])
-        eps = torch.randn(x0.shape, generator=generator).to(x0.device)
         x_t = (1 - t[:, None, None, None]) * x0 + t[:, None, None, None] * eps
-        cond = select_rows(batch.cond, mb)
+        cond = select_rows(batch.cond, part)
         with compute_precision(x0.device):
             v_theta = policy.velocity("policy", x_t, t, cond)
             with torch.no_grad():
@@ -112,7 +124,7 @@ class NFT(PolicyLoss):
             x_t,
             x0,
             t,
-            batch.advantages[mb],
+            batch.advantages[part],
             beta=tc.beta,
             adv_clip_max=tc.adv_clip_max,
             kl_beta=tc.kl_beta,
