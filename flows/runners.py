@@ -1,11 +1,11 @@
 """Task runners of the shard tasks (issue 11): existing engines, not a home-made scheduler.
 
 ``campaign.task_runner=local`` runs a sharded stage's shards in order in the campaign's process (one model in
-memory; threads would share it). ``dask`` submits them at once to a Dask cluster through ``prefect-dask``: the
-cluster at ``campaign.dask_address`` (e.g. one started with ``dask-cuda-worker`` on a GPU node, one worker per
-GPU), or else a local cluster of one single-threaded worker process per shard, started once for the whole
+memory; threads would share it). ``dask`` and ``ray`` submit them at once through ``prefect-dask`` or
+``prefect-ray``: to the cluster at ``campaign.task_runner_address`` (e.g. ``dask-cuda-worker`` processes, one per
+GPU, or a Ray cluster), or else to a local cluster of one worker process per shard, started once for the whole
 campaign. A worker keeps the model it loaded (``StageContext.load_policy`` caches it per process), so the model
-is loaded once per worker, not once per task.
+is loaded once per worker, not once per task. On Ray a shard task asks for one GPU when the model runs on CUDA.
 """
 
 from __future__ import annotations
@@ -17,31 +17,76 @@ from typing import Any
 
 from solrl.config import ConfigError, RunConfig
 
+#: Object store of a local Ray instance: shard tasks return a flag, their outputs go to the run store.
+RAY_OBJECT_STORE_BYTES = 128 * 2**20
+
+
+def shard_workers(cfg: RunConfig) -> int:
+    """Shards of a sharded stage (at most one per prompt): the worker processes a local cluster starts."""
+    return min(cfg.campaign.shards, cfg.campaign.prompts_per_iteration)
+
 
 @contextmanager
 def shard_task_runner(cfg: RunConfig) -> Iterator[Any | None]:
     """The task runner of ``cfg``'s shard tasks for the duration of a campaign: None for in-order shards in this
-    process (``local``, or a single shard), else a ``prefect_dask.DaskTaskRunner``.
+    process (``local``, or a single shard), else a ``prefect_dask.DaskTaskRunner`` or
+    ``prefect_ray.RayTaskRunner`` on a cluster that lives as long as the context.
 
     Raises:
-        ConfigError: ``dask`` without ``prefect-dask`` installed (``pip install 'solrl[distributed]'``).
+        ConfigError: the engine's Prefect integration is not installed (``pip install 'solrl[distributed]'``).
     """
-    if cfg.campaign.task_runner == "local" or min(cfg.campaign.shards, cfg.campaign.prompts_per_iteration) < 2:
+    kind, address = cfg.campaign.task_runner, cfg.campaign.task_runner_address
+    if kind == "local" or shard_workers(cfg) < 2:
         yield None
         return
     try:
-        from prefect_dask import DaskTaskRunner
+        if kind == "dask":
+            from prefect_dask import DaskTaskRunner
+        else:
+            import ray
+            from prefect_ray import RayTaskRunner
     except ImportError:
-        raise ConfigError("campaign.task_runner=dask needs prefect-dask: pip install 'solrl[distributed]'") from None
-    if cfg.campaign.dask_address:
-        yield DaskTaskRunner(address=cfg.campaign.dask_address)
-        return
-    from dask.distributed import LocalCluster
+        raise ConfigError(
+            f"campaign.task_runner={kind} needs prefect-{kind}: pip install 'solrl[distributed]'"
+        ) from None
+    workers = shard_workers(cfg)
+    threads = max(1, (os.cpu_count() or 1) // workers)  # torch in each local worker: its share of the cores
+    if kind == "dask":
+        if address:
+            yield DaskTaskRunner(address=address)
+            return
+        from dask.distributed import LocalCluster
 
-    workers = min(cfg.campaign.shards, cfg.campaign.prompts_per_iteration)
-    threads = max(1, (os.cpu_count() or 1) // workers)  # torch in each worker: its share of the cores
-    env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-    with LocalCluster(
-        n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None, env=env
-    ) as cluster:
-        yield DaskTaskRunner(address=cluster.scheduler_address)
+        env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+        with LocalCluster(
+            n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None, env=env
+        ) as cluster:
+            yield DaskTaskRunner(address=cluster.scheduler_address)
+        return
+    # Ray: one instance for the campaign (the runner of each iteration finds it and does not own it).
+    if address:
+        ray.init(address=address)
+    else:
+        ray.init(
+            num_cpus=workers,
+            include_dashboard=False,
+            object_store_memory=RAY_OBJECT_STORE_BYTES,
+            log_to_driver=False,
+        )
+    try:
+        yield RayTaskRunner()
+    finally:
+        ray.shutdown()
+
+
+@contextmanager
+def shard_submit_options(cfg: RunConfig) -> Iterator[None]:
+    """Around the shard tasks' submission: on Ray, each task asks for one GPU when the model runs on CUDA, else
+    one CPU (Ray then gives its worker one OpenMP thread); nothing for the other runners."""
+    if cfg.campaign.task_runner != "ray":
+        yield
+        return
+    from prefect_ray.context import remote_options
+
+    with remote_options(**({"num_gpus": 1} if cfg.model.device.startswith("cuda") else {"num_cpus": 1})):
+        yield

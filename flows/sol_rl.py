@@ -16,7 +16,7 @@ from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settin
 
 from solrl.flows.progress import current as current_progress
 from solrl.flows.progress import start as start_progress
-from solrl.flows.runners import shard_task_runner
+from solrl.flows.runners import shard_submit_options, shard_task_runner
 from solrl.stages.context import StageContext
 from solrl.stages.pipeline import ITERATION, STAGES, campaign_plan, run_shard, run_stage, stage_shards
 from solrl.stages.runnable import check_runnable
@@ -98,8 +98,9 @@ def _run_and_track(
     run = open_run(store, run_id)
     shards = stage_shards(StageContext(run.config, run.run_dir, run_id, iteration, run.config_hash), STAGES[stage])
     task = shard_task.with_options(retries=retries)
-    if len(shards) > 1 and parallel:  # at once, on the flow's task runner (Dask: a process per shard)
-        futures = [task.submit(store, run_id, iteration, stage, s.index, s.count) for s in shards]
+    if len(shards) > 1 and parallel:  # at once, on the flow's task runner (Dask, Ray: a process per shard)
+        with shard_submit_options(run.config):
+            futures = [task.submit(store, run_id, iteration, stage, s.index, s.count) for s in shards]
         for future in futures:
             future.result()  # the first shard that failed (after its retries) fails the stage
     elif len(shards) > 1:  # in order, in this process (one model in memory: threads would share it)

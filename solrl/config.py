@@ -260,13 +260,16 @@ class CampaignConfig(_Section):
         "folder, then one reduce writes the stage (at most one shard per prompt). Layout only: results and cache "
         "keys do not depend on it, so `solrl resume --shards N` may change it.",
     )
-    task_runner: Literal["local", "dask"] = Field(
+    task_runner: Literal["local", "dask", "ray"] = Field(
         "local",
-        description="Where shard tasks run: local = in order, in the campaign's process; dask = at once, on a Dask "
-        "cluster (campaign.dask_address, or a local one with a worker process per shard). Layout only.",
+        description="Where shard tasks run: local = in order, in the campaign's process; dask or ray = at once, on "
+        "that engine's cluster (campaign.task_runner_address, or a local one with a worker process per shard). "
+        "Layout only.",
     )
-    dask_address: str | None = Field(
-        None, description="Scheduler of an existing Dask cluster (e.g. tcp://10.0.0.5:8786) for task_runner=dask."
+    task_runner_address: str | None = Field(
+        None,
+        description="An existing cluster for task_runner dask (scheduler, e.g. tcp://10.0.0.5:8786) or ray (e.g. "
+        "ray://10.0.0.5:10001 or auto); null = a local cluster started for the campaign.",
     )
 
 
@@ -415,7 +418,7 @@ def _registered(registry: Any, name: str, field: str) -> Any:
 LAYOUT_FIELDS = (
     ("campaign", "shards"),
     ("campaign", "task_runner"),
-    ("campaign", "dask_address"),
+    ("campaign", "task_runner_address"),
     ("train", "nproc_per_node"),
 )
 

@@ -159,12 +159,14 @@ def test_resume_may_record_another_shard_count_without_touching_the_config_hash(
 
 
 @pytest.mark.slow
-def test_two_shards_on_a_local_dask_cluster_give_the_one_shard_run(tmp_path: Path):
-    """Through the Prefect flow, each shard task submitted to a local Dask cluster of 2 worker processes."""
+@pytest.mark.parametrize("engine", ["dask", "ray"])
+def test_two_shards_on_a_local_dask_or_ray_cluster_give_the_one_shard_run(tmp_path: Path, engine: str):
+    """Through the Prefect flow, each shard task submitted to a local Dask cluster or Ray instance of 2 worker
+    processes."""
     from solrl.flows.sol_rl import campaign as prefect_campaign
 
     campaign(str(tmp_path / "reference"), 1)
-    cfg = tiny_config(tmp_path / "dask", *FOUR_PROMPTS, "campaign.shards=2", "campaign.task_runner=dask")
+    cfg = tiny_config(tmp_path / engine, *FOUR_PROMPTS, "campaign.shards=2", f"campaign.task_runner={engine}")
     run = create_run(cfg, RUN_ID)
     prefect_campaign(str(run.run_dir.parent), RUN_ID)
     assert_same_outputs(run.run_dir, tmp_path / "reference" / RUN_ID)
