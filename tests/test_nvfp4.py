@@ -534,3 +534,39 @@ def test_the_explore_copy_quantizes_a_sample_the_same_in_any_batch():
     assert not torch.equal(per_call(batch)[:1], per_call(quiet))  # the batch's amax changes a quiet sample
     with pytest.raises(ValueError, match="activation_scale must be one of"):
         FakeQuantLinear(layer, "nvfp4", activation_scale="token")
+
+
+def test_the_vectorised_e2m1_rounding_equals_torchaos_bit_level_encoder_on_every_tie_and_its_neighbours():
+    from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, f32_to_f4_unpacked
+
+    from solrl.stages.quant.nvfp4 import _e2m1_round_
+
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    grid = torch.tensor(E2M1_VALUES)
+    points = torch.cat([ties, grid, torch.linspace(0, 6, 120_001)])
+    below, above = torch.nextafter(points, torch.zeros(())), torch.nextafter(points, torch.full((), 7.0))
+    y = torch.cat([points, below, above]).clamp(0, 6)  # the encoder's input is clamped to [-6, 6]
+    y = torch.cat([y, -y])
+    expect = f4_unpacked_to_f32(f32_to_f4_unpacked(y))
+    assert torch.equal(_e2m1_round_(y.clone()), expect)
+    assert _e2m1_round_(torch.tensor([0.25, 0.75, 2.5, 3.5, 5.0])).tolist() == [0.0, 1.0, 2.0, 4.0, 4.0]
+
+
+@pytest.mark.parametrize("shape", [(7, 3, 48), (2, 5, 8, 16), (64, 256)])
+def test_per_sample_nvfp4_equals_torchaos_nvfp4_quantize_bit_for_bit(shape):
+    from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, unpack_uint4
+    from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize
+
+    from solrl.stages.quant.nvfp4 import fake_quantize_per_sample
+
+    g = torch.Generator().manual_seed(len(shape))
+    x = torch.randn(shape, generator=g) * torch.logspace(-3, 3, shape[0])[(...,) + (None,) * (len(shape) - 1)]
+    x.view(-1)[:7] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]) * x.abs().max() / 6  # ties, if scaled so
+    B, K = shape[0], shape[-1]
+    rows = x.reshape(-1, K)
+    amax = x.reshape(B, -1).abs().amax(1)
+    scale = (amax / (448.0 * 6.0)).repeat_interleave(rows.shape[0] // B).unsqueeze(1)
+    scales, packed = nvfp4_quantize(rows.contiguous(), block_size=16, per_tensor_scale=scale)
+    q = f4_unpacked_to_f32(unpack_uint4(packed.contiguous()).view(rows.shape)).view(rows.shape[0], K // 16, 16)
+    expect = ((q * scales.float().view(rows.shape[0], K // 16, 1)).view(rows.shape) * scale).view(shape)
+    assert torch.equal(fake_quantize_per_sample(x, "nvfp4"), expect)

@@ -242,8 +242,8 @@ ACTIVATION_SCALES: tuple[str, ...] = ("sample", "call")
 def fake_quantize_per_sample(x: torch.Tensor, fmt: str) -> torch.Tensor:
     """Fake-quantize ``x [B, ..., K]`` with one tensor scale per sample (the leading dim): exactly
     ``nvfp4_fake_quantize(x[b])`` (or ``fp8_e4m3_fake_quantize(x[b])``) for every ``b``, in one vectorised call
-    (torchao's ``nvfp4_quantize`` takes a per-row tensor scale). So an image's explore samples do not depend on
-    the batch it was drawn in (``explore.batch_size``, shards).
+    (``_nvfp4_blocks``, bit-identical to torchao's ``nvfp4_quantize`` with a per-sample tensor scale). So an
+    image's explore samples do not depend on the batch it was drawn in (``explore.batch_size``, shards).
 
     Returns:
         float32, the shape of ``x``.
@@ -266,25 +266,41 @@ def fake_quantize_per_sample(x: torch.Tensor, fmt: str) -> torch.Tensor:
     xs = x * up.view(shape)
     amax = amax * up
     if fmt == "nvfp4":
-        from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, unpack_uint4
-        from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize
-
         _check_block_dim(x)
-        K = x.shape[-1]
-        rows = xs.reshape(-1, K).contiguous()  # [B * R, K]
-        per_row = rows.shape[0] // B
         g = torch.where(amax > 0, amax / (E4M3_MAX * E2M1_MAX), torch.ones_like(amax))  # FP32 tensor scales [B]
-        g_rows = g.repeat_interleave(per_row).unsqueeze(1)  # [B * R, 1]
-        scales, packed = nvfp4_quantize(rows, block_size=NVFP4_BLOCK, per_tensor_scale=g_rows)
-        q = f4_unpacked_to_f32(unpack_uint4(packed.contiguous()).view(rows.shape))
-        s_b = scales.to(torch.float32).view(rows.shape[0], K // NVFP4_BLOCK, 1)
-        qs = (q.view(rows.shape[0], K // NVFP4_BLOCK, NVFP4_BLOCK) * s_b).view(rows.shape)
-        out = (qs * g_rows).view(x.shape)
+        out = _nvfp4_blocks(xs.reshape(B, -1, x.shape[-1] // NVFP4_BLOCK, NVFP4_BLOCK), g).view(x.shape)
     else:
         scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax)).view(shape)
         q = torch.clamp(xs / scale, -E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).to(torch.float32)
         out = q * scale
     return out * torch.ldexp(torch.ones_like(amax), -k).view(shape)
+
+
+def _e2m1_round_(y: torch.Tensor) -> torch.Tensor:
+    """Round float32 ``y`` (already clamped to ``[-6, 6]``) in place to the nearest E2M1 value, ties to even.
+
+    The E2M1 grid has spacing 0.5 below 2, 1 in ``[2, 4)`` and 2 in ``[4, 6]``, so ``round(y / step) * step``
+    with ``torch.round`` (half to even) is round-to-nearest-even on the grid: 0.25 -> 0, 0.75 -> 1, 1.25 -> 1,
+    1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4. Every step is exact (powers of two). The same values as torchao's
+    bit-level ``f32_to_f4_unpacked`` then ``f4_unpacked_to_f32`` (tested on every tie and its neighbours)."""
+    a = y.abs()
+    step = (a >= 2.0).to(torch.float32).add_((a >= 4.0).to(torch.float32)).exp2_().mul_(0.5)  # 0.5, 1 or 2
+    return y.div_(step).round_().mul_(step)
+
+
+def _nvfp4_blocks(xb: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """NVFP4 quantize-dequantize of float32 blocks ``xb [B, R, K / 16, 16]`` with FP32 tensor scales ``g [B]``.
+
+    torchao's ``nvfp4_quantize`` formula, operation for operation, so bit-identical to it: block scale
+    ``e4m3(clamp(amax_b / 6 / g, 2^-6, 448))``, ``y = clamp(x * ((1 / g) / s_b), -6, 6)`` rounded to E2M1, decoded
+    as ``(q * s_b) * g``; but without packing the FP4 codes into bytes and unpacking them again, in place: about
+    5x faster on CPU (the activation encode dominated the emulated forward)."""
+    g = g.view(-1, 1, 1)
+    s_b = xb.abs().amax(-1).div_(E2M1_MAX).div_(g).clamp_(E4M3_MIN_NORMAL, E4M3_MAX)
+    s_b = s_b.to(torch.float8_e4m3fn).to(torch.float32)  # the FP8 E4M3 block scales, [B, R, K / 16]
+    y = xb * ((1.0 / g) / s_b).unsqueeze(-1)
+    y = _e2m1_round_(y.clamp_(-E2M1_MAX, E2M1_MAX))
+    return y.mul_(s_b.unsqueeze(-1)).mul_(g.unsqueeze(-1))
 
 
 def _quant_parts(w2d: torch.Tensor, fmt: str) -> tuple[torch.Tensor, float, int]:
