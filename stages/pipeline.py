@@ -27,11 +27,19 @@ from solrl.stages.context import StageContext
 from solrl.stages.evaluate import evaluate
 from solrl.stages.explore import explore
 from solrl.stages.regenerate import regenerate
-from solrl.stages.score import score_explore, score_regenerate
+from solrl.stages.score import reduce_score_explore, reduce_score_regenerate, score_explore, score_regenerate
 from solrl.stages.select import select
 from solrl.stages.sharding import Shard
 from solrl.stages.update import update
-from solrl.storage.artifacts import Artifact, CandidatePool, Samples, ZarrArtifact
+from solrl.storage.artifacts import (
+    Artifact,
+    CandidatePool,
+    ExploreRewards,
+    RegeneratedRewards,
+    Samples,
+    TableArtifact,
+    ZarrArtifact,
+)
 from solrl.storage.stage import (
     StageManifest,
     StageOutput,
@@ -55,12 +63,16 @@ def _artifact_type(annotation: object) -> type[Artifact] | None:
 class Stage:
     """One stage: its name and function; what it reads is the function's typed parameters.
 
-    A stage with ``sharded`` (the Zarr artifact it writes) takes a keyword ``shard`` and may run as
+    A stage with ``sharded`` (the artifact each shard writes) takes a keyword ``shard`` and may run as
     ``campaign.shards`` shards of its prompts, each committed on its own, then one reduce (``run_stage``)."""
 
     name: str
     fn: Callable[..., StageOutput]
-    sharded: type[ZarrArtifact] | None = None
+    #: The artifact each shard writes (None: the stage does not shard).
+    sharded: type[ZarrArtifact] | type[TableArtifact] | None = None
+    #: ``reduce(ctx, out, parts, *inputs)`` writes the stage from its shards' artifacts and returns its output;
+    #: None: the parts are concatenated (``ZarrArtifact.concat``) and their outputs merged (``merge_outputs``).
+    reduce: Callable[..., StageOutput] | None = None
 
     @cached_property
     def reads(self) -> tuple[type[Artifact], ...]:
@@ -81,10 +93,10 @@ class Stage:
 
 ITERATION: tuple[Stage, ...] = (
     Stage("explore", explore, CandidatePool),
-    Stage("score_explore", score_explore),
+    Stage("score_explore", score_explore, ExploreRewards, reduce_score_explore),
     Stage("select", select),
     Stage("regenerate", regenerate, Samples),
-    Stage("score_regenerate", score_regenerate),
+    Stage("score_regenerate", score_regenerate, RegeneratedRewards, reduce_score_regenerate),
     Stage("audit", audit),
     Stage("update", update),
     Stage("checkpoint", checkpoint),
@@ -195,6 +207,11 @@ def merge_outputs(manifests: list[StageManifest]) -> StageOutput:
     return StageOutput(metrics=metrics, info=info)
 
 
+def replace_info(output: StageOutput, **info: object) -> StageOutput:
+    """``output`` with ``info`` added."""
+    return StageOutput(metrics=output.metrics, info={**output.info, **info})
+
+
 def run_stage(ctx: StageContext, name: str) -> tuple[StageManifest, bool]:
     """Run stage ``name`` of ``ctx.iteration`` unless its committed manifest matches its inputs.
 
@@ -225,7 +242,11 @@ def run_stage(ctx: StageContext, name: str) -> tuple[StageManifest, bool]:
 
         def reduce(out: Path) -> StageOutput:
             folders = [require(ctx.run_dir, ctx.iteration, m.stage)[0] for m in committed]
-            artifact.concat([artifact.read(folder / artifact.filename) for folder in folders]).write(out)
+            parts = [artifact.read(folder / artifact.filename) for folder in folders]
+            if stage.reduce is not None:
+                inputs = [a.load(ctx.run_dir, ctx.iteration) for a in stage.reads]
+                return replace_info(stage.reduce(ctx, out, parts, *inputs), shards=len(parts))
+            artifact.concat(parts).write(out)
             return merge_outputs(committed)
 
         seconds = sum(m.seconds for m in committed)

@@ -10,6 +10,7 @@ import pandas as pd
 from solrl.stages.context import StageContext
 from solrl.stages.metrics.fidelity import group_agreement, rank_agreement
 from solrl.stages.rewards import build_reward, release_rewards, score_all
+from solrl.stages.sharding import WHOLE, Shard
 from solrl.storage.artifacts import CandidatePool, ExploreRewards, FidelityTable, RegeneratedRewards, Samples, Selection
 from solrl.storage.stage import StageOutput
 
@@ -33,17 +34,23 @@ def score_images(
 
 
 def rewards_table(
-    pool: CandidatePool, candidate_index: np.ndarray, values: dict[str, np.ndarray], weights: dict[str, float]
+    pool: CandidatePool,
+    candidate_index: np.ndarray,
+    values: dict[str, np.ndarray],
+    weights: dict[str, float],
+    groups: range | None = None,
 ) -> pd.DataFrame:
     """Long table: one row per (candidate, reward): group, prompt_index, prompt, candidate_index, seed, reward,
-    value, weight, weighted (= value * weight), precision. ``candidate_index`` int ``[P, N]``."""
+    value, weight, weighted (= value * weight), precision. ``candidate_index`` int ``[P, N]``; ``groups`` the
+    pool's group numbers (default ``range(P)``; a shard's positions)."""
     P, N = pool.seeds.shape
+    groups = range(P) if groups is None else groups
     frames = []
     for name, value in values.items():
         frames.append(
             pd.DataFrame(
                 {
-                    "group": np.repeat(np.arange(P), N),
+                    "group": np.repeat(np.asarray(groups, dtype=np.int64), N),
                     "prompt_index": np.repeat(pool.prompt_index, N),
                     "prompt": np.repeat(np.array(pool.prompts, dtype=object), N),
                     "candidate_index": candidate_index.reshape(-1).astype(np.int64),
@@ -75,23 +82,67 @@ def _summary(prefix: str, total: np.ndarray) -> dict[str, float]:
     }
 
 
-def score_explore(ctx: StageContext, out: Path, pool: CandidatePool) -> StageOutput:
-    """Reward the explore candidate pool with the training reward(s). Writes ``ExploreRewards``."""
-    P, N = pool.seeds.shape
+def merge_rewards(ctx: StageContext, parts: list[ExploreRewards]) -> pd.DataFrame:
+    """The shards' reward tables as the whole stage writes it: by reward (in ``reward.weights`` order), then
+    group and candidate as scored."""
+    frame = pd.concat([part.frame for part in parts], ignore_index=True)
+    order = {name: i for i, name in enumerate(ctx.cfg.reward.weights)}
+    return frame.sort_values("reward", key=lambda r: r.map(order), kind="stable", ignore_index=True)
+
+
+def score_explore(ctx: StageContext, out: Path, pool: CandidatePool, *, shard: Shard = WHOLE) -> StageOutput:
+    """Reward the explore candidate pool with the training reward(s). Writes ``ExploreRewards`` (with ``shard``,
+    its prompts' rows only, and no metrics: ``reduce_score_explore`` makes them from the whole table)."""
+    positions = shard.positions(len(pool.prompts))
+    part = pool if shard.count == 1 else pool.take(positions)
+    P, N = part.seeds.shape
     candidates = np.broadcast_to(np.arange(N), (P, N))
-    rewards = ExploreRewards(rewards_table(pool, candidates, _score_pool(ctx, pool), ctx.cfg.reward.weights))
+    table = rewards_table(part, candidates, _score_pool(ctx, part), ctx.cfg.reward.weights, positions)
+    rewards = ExploreRewards(table)
     rewards.write(out)
-    return StageOutput(metrics=_summary("explore", rewards.totals(candidates)))
+    return StageOutput() if shard.count > 1 else _explore_summary(rewards, pool)
 
 
-def score_regenerate(ctx: StageContext, out: Path, samples: Samples, selection: Selection) -> StageOutput:
+def _explore_summary(rewards: ExploreRewards, pool: CandidatePool) -> StageOutput:
+    P, N = pool.seeds.shape
+    return StageOutput(metrics=_summary("explore", rewards.totals(np.broadcast_to(np.arange(N), (P, N)))))
+
+
+def reduce_score_explore(ctx: StageContext, out: Path, parts: list[ExploreRewards], pool: CandidatePool) -> StageOutput:
+    """The score_explore stage from its shards' tables (``solrl.stages.pipeline.run_stage``)."""
+    rewards = ExploreRewards(merge_rewards(ctx, parts))
+    rewards.write(out)
+    return _explore_summary(rewards, pool)
+
+
+def score_regenerate(
+    ctx: StageContext, out: Path, samples: Samples, selection: Selection, *, shard: Shard = WHOLE
+) -> StageOutput:
     """Reward the BF16 regenerations; these rewards make the advantages. Also logs proxy fidelity: explore vs
-    BF16 rewards of the same kept seeds (DESIGN 2). Writes ``RegeneratedRewards`` and ``FidelityTable``."""
-    P, k = samples.seeds.shape
-    rewards = RegeneratedRewards(
-        rewards_table(samples, samples.candidate_index, _score_pool(ctx, samples), ctx.cfg.reward.weights)
-    )
+    BF16 rewards of the same kept seeds (DESIGN 2). Writes ``RegeneratedRewards`` and ``FidelityTable`` (with
+    ``shard``, only its prompts' rewards: ``reduce_score_regenerate`` does the rest)."""
+    positions = shard.positions(len(samples.prompts))
+    part = samples if shard.count == 1 else samples.take(positions)
+    table = rewards_table(part, part.candidate_index, _score_pool(ctx, part), ctx.cfg.reward.weights, positions)
+    rewards = RegeneratedRewards(table)
     rewards.write(out)
+    return StageOutput() if shard.count > 1 else _regenerate_summary(ctx, out, rewards, samples, selection)
+
+
+def reduce_score_regenerate(
+    ctx: StageContext, out: Path, parts: list[RegeneratedRewards], samples: Samples, selection: Selection
+) -> StageOutput:
+    """The score_regenerate stage from its shards' tables (``solrl.stages.pipeline.run_stage``)."""
+    rewards = RegeneratedRewards(merge_rewards(ctx, parts))
+    rewards.write(out)
+    return _regenerate_summary(ctx, out, rewards, samples, selection)
+
+
+def _regenerate_summary(
+    ctx: StageContext, out: Path, rewards: RegeneratedRewards, samples: Samples, selection: Selection
+) -> StageOutput:
+    """The fidelity table and the metrics of the whole regenerated pool's rewards."""
+    P, k = samples.seeds.shape
     # Paired explore rewards of the kept seeds, in the regenerated order.
     explore_kept = selection.ordered["explore_reward"].to_numpy(np.float32).reshape(P, k)
     bf16 = rewards.totals(samples.candidate_index)

@@ -136,6 +136,15 @@ class ZarrArtifact(Artifact):
     def prompts(self) -> list[str]:
         return list(self.attrs["prompts"])
 
+    def take(self: Z, positions: range) -> Z:
+        """The same artifact for the prompts at ``positions`` only (every array's leading axis; attrs
+        ``prompts`` likewise): one shard's view of a stage's input."""
+        index = list(positions)
+        attrs = dict(self.attrs)
+        if "prompts" in attrs:
+            attrs["prompts"] = [self.prompts[i] for i in index]
+        return type(self)(attrs=attrs, **{name: array[index] for name, array in self.arrays().items()})
+
     @classmethod
     def concat(cls: type[Z], parts: list[Z]) -> Z:
         """One artifact from shards of the prompt axis, in order: every array concatenated along axis 0, attrs

@@ -171,3 +171,19 @@ def test_two_shards_on_a_local_dask_or_ray_cluster_give_the_one_shard_run(tmp_pa
     prefect_campaign(str(run.run_dir.parent), RUN_ID)
     assert_same_outputs(run.run_dir, tmp_path / "reference" / RUN_ID)
     assert read_manifest(run.run_dir, 2, "explore").info["shards"] == 2
+
+
+def test_sharded_scoring_of_two_rewards_writes_the_whole_stages_table(tmp_path: Path):
+    two = ("reward.weights={digit_alignment: 1.0, jpeg_compressibility: 0.3}",)
+    tables = []
+    for count in (1, 2):
+        cfg = tiny_config(tmp_path / str(count), *FOUR_PROMPTS, *two, f"campaign.shards={count}")
+        run = create_run(cfg, RUN_ID)
+        ctx = StageContext(run.config, run.run_dir, run.run_id, 1, run.config_hash)
+        for stage in ("explore", "score_explore"):
+            run_stage(ctx, stage)
+        tables.append(pd.read_parquet(run.run_dir / "iter_000001" / "score_explore" / "rewards.parquet"))
+        metrics = read_manifest(run.run_dir, 1, "score_explore").metrics
+        assert set(metrics) == {"explore/reward_mean", "explore/reward_std", "explore/reward_max", "explore/reward_min"}
+    assert tables[1]["reward"].iloc[0] == "digit_alignment" and tables[1]["reward"].iloc[-1] == "jpeg_compressibility"
+    pd.testing.assert_frame_equal(tables[1], tables[0], check_exact=False, rtol=1e-4, atol=1e-5)
