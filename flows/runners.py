@@ -10,6 +10,7 @@ is loaded once per worker, not once per task. On Ray a shard task asks for one G
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -33,7 +34,8 @@ def shard_task_runner(cfg: RunConfig) -> Iterator[Any | None]:
     ``prefect_ray.RayTaskRunner`` on a cluster that lives as long as the context.
 
     Raises:
-        ConfigError: the engine's Prefect integration is not installed (``pip install 'solrl[distributed]'``).
+        ConfigError: the engine's Prefect integration is not installed (``pip install 'solrl[distributed]'``), or
+            ``campaign.task_runner_address`` cannot be reached.
     """
     kind, address = cfg.campaign.task_runner, cfg.campaign.task_runner_address
     if kind == "local" or shard_workers(cfg) < 2:
@@ -52,7 +54,14 @@ def shard_task_runner(cfg: RunConfig) -> Iterator[Any | None]:
     workers = shard_workers(cfg)
     threads = max(1, (os.cpu_count() or 1) // workers)  # torch in each local worker: its share of the cores
     if kind == "dask":
+        logging.getLogger("distributed").setLevel(logging.WARNING)  # its INFO lines would drown the campaign's
         if address:
+            from dask.distributed import Client
+
+            try:  # fail now, with the field named, rather than in the first sharded stage
+                Client(address, timeout="10s").close()
+            except (OSError, TimeoutError) as exc:
+                raise ConfigError(_unreachable(address, "Dask scheduler", exc)) from None
             yield DaskTaskRunner(address=address)
             return
         from dask.distributed import LocalCluster
@@ -65,7 +74,10 @@ def shard_task_runner(cfg: RunConfig) -> Iterator[Any | None]:
         return
     # Ray: one instance for the campaign (the runner of each iteration finds it and does not own it).
     if address:
-        ray.init(address=address)
+        try:
+            ray.init(address=address)
+        except (ConnectionError, OSError, TimeoutError) as exc:
+            raise ConfigError(_unreachable(address, "Ray cluster", exc)) from None
     else:
         ray.init(
             num_cpus=workers,
@@ -77,6 +89,13 @@ def shard_task_runner(cfg: RunConfig) -> Iterator[Any | None]:
         yield RayTaskRunner()
     finally:
         ray.shutdown()
+
+
+def _unreachable(address: str, what: str, exc: BaseException) -> str:
+    return (
+        f"campaign.task_runner_address={address}: cannot reach the {what} ({exc.__class__.__name__}: {exc}); "
+        f"start it, or set campaign.task_runner_address=null for a local one"
+    )
 
 
 @contextmanager

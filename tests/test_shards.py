@@ -187,3 +187,13 @@ def test_sharded_scoring_of_two_rewards_writes_the_whole_stages_table(tmp_path: 
         assert set(metrics) == {"explore/reward_mean", "explore/reward_std", "explore/reward_max", "explore/reward_min"}
     assert tables[1]["reward"].iloc[0] == "digit_alignment" and tables[1]["reward"].iloc[-1] == "jpeg_compressibility"
     pd.testing.assert_frame_equal(tables[1], tables[0], check_exact=False, rtol=1e-4, atol=1e-5)
+
+
+def test_a_dask_address_that_does_not_answer_is_one_line_naming_the_field(tmp_path: Path):
+    from solrl.config import ConfigError
+    from solrl.flows.runners import shard_task_runner
+
+    address = "campaign.task_runner_address=tcp://127.0.0.1:9"
+    cfg = tiny_config(tmp_path, "campaign.shards=2", "campaign.task_runner=dask", address)
+    with pytest.raises(ConfigError, match=f"{address}: cannot reach the Dask scheduler"), shard_task_runner(cfg):
+        pass
