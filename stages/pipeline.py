@@ -179,29 +179,41 @@ def run_shard(ctx: StageContext, name: str, shard: Shard) -> tuple[StageManifest
     if committed is not None and committed.inputs_hash == key:
         return committed, True
 
-    def write(out: Path) -> StageOutput:
-        inputs = [artifact.load(ctx.run_dir, ctx.iteration) for artifact in stage.reads]
-        return stage.fn(ctx, out, *inputs, shard=shard)
-
     folder = iteration_dir(ctx.run_dir, ctx.iteration) / shards_folder(name)
     for stale in [*folder.glob(f".{shard.name}.tmp-*"), *folder.glob(f".{shard.name}.trash-*")]:  # a killed try's
         shutil.rmtree(stale, ignore_errors=True)
     where = f"{shards_folder(name)}/{shard.name}"
-    return run_or_skip(ctx.run_dir, ctx.run_id, ctx.iteration, where, _shard_key(key, shard), write)
+    return run_or_skip(
+        ctx.run_dir, ctx.run_id, ctx.iteration, where, _shard_key(key, shard), _writer(ctx, stage, shard)
+    )
+
+
+def _writer(ctx: StageContext, stage: Stage, shard: Shard | None = None) -> Callable[[Path], StageOutput]:
+    """``write(out)`` of a stage (or of one shard of it): read its inputs, run its function into ``out``."""
+
+    def write(out: Path) -> StageOutput:
+        inputs = [artifact.load(ctx.run_dir, ctx.iteration) for artifact in stage.reads]
+        return stage.fn(ctx, out, *inputs) if shard is None else stage.fn(ctx, out, *inputs, shard=shard)
+
+    return write
+
+
+#: Stage info that counts a shard's share (summed over shards); other info is the same in every shard.
+COUNTED_INFO = ("prompts", "samples")
 
 
 def merge_outputs(manifests: list[StageManifest]) -> StageOutput:
-    """The stage output of its shards: ``*seconds`` metrics summed, other metrics from the first shard; integer
-    info summed (counts), warnings joined, other info from the first shard."""
+    """The stage output of its shards: ``*seconds`` metrics summed, other metrics from the first shard;
+    ``COUNTED_INFO`` summed, warnings joined, other info from the first shard."""
     metrics = dict(manifests[0].metrics)
     for key in metrics:
         if key.endswith("seconds"):
             metrics[key] = sum(m.metrics.get(key, 0.0) for m in manifests)
     info = dict(manifests[0].info)
-    for key, value in info.items():
+    for key in info:
         if key == "warnings":
             info[key] = list(dict.fromkeys(w for m in manifests for w in m.info.get(key, [])))
-        elif isinstance(value, int) and not isinstance(value, bool):
+        elif key in COUNTED_INFO:
             info[key] = sum(int(m.info.get(key, 0)) for m in manifests)
     info["shards"] = len(manifests)
     return StageOutput(metrics=metrics, info=info)
@@ -228,12 +240,7 @@ def run_stage(ctx: StageContext, name: str) -> tuple[StageManifest, bool]:
     clean_stale(ctx, name)
     shards, key = stage_shards(ctx, stage), stage_key(ctx, stage)
     if len(shards) == 1:
-
-        def write(out: Path) -> StageOutput:
-            inputs = [artifact.load(ctx.run_dir, ctx.iteration) for artifact in stage.reads]
-            return stage.fn(ctx, out, *inputs)
-
-        result = run_or_skip(ctx.run_dir, ctx.run_id, ctx.iteration, name, key, write)
+        result = run_or_skip(ctx.run_dir, ctx.run_id, ctx.iteration, name, key, _writer(ctx, stage))
     else:
         done = [run_shard(ctx, name, shard) for shard in shards]
         committed = [manifest for manifest, _ in done if manifest.stage != name]

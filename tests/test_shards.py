@@ -86,7 +86,8 @@ def test_two_and_four_shards_give_the_one_shard_run_and_leave_no_shard_folder(tm
         assert_same_outputs(run_dir, tmp_path / "one" / RUN_ID)
         assert not list(run_dir.rglob("*.shards"))
         manifest = read_manifest(run_dir, 1, "explore")
-        assert manifest is not None and manifest.info["shards"] == count and manifest.info["prompts"] == 4
+        assert manifest is not None and manifest.info["shards"] == count
+        assert manifest.info["prompts"] == 4 and manifest.info["pool_size"] == 8  # counts summed, the rest kept
         # The stage keys do not depend on the layout: the shard count is outside the config hash.
         assert tiny_config(tmp_path, f"campaign.shards={count}").digest() == tiny_config(tmp_path).digest()
 
