@@ -16,6 +16,7 @@ from solrl.stages.quant.backends import rollout_network
 from solrl.stages.sampling.rollout import generate
 from solrl.stages.sampling.samplers import derive_seed
 from solrl.stages.score import score_images
+from solrl.stages.sharding import WHOLE, Shard
 from solrl.storage.artifacts import EvalMetrics, EvalSamples, TrainedPolicy
 from solrl.storage.stage import StageOutput, read_manifest
 
@@ -32,21 +33,21 @@ GRID_WARN_MIN = 0.01
 GRID = "samples.png"
 
 
-def evaluate(ctx: StageContext, out: Path, trained: TrainedPolicy | None) -> StageOutput:
+def evaluate(ctx: StageContext, out: Path, trained: TrainedPolicy | None, *, shard: Shard = WHOLE) -> StageOutput:
     """Sample every evaluation prompt with ``campaign.eval_seeds`` fixed seeds (the same every iteration) at
     ``campaign.eval_steps`` (default ``regenerate.steps``) with the rollout policy of this iteration's
     checkpoint ``trained`` (iteration 0: the base model), and score them with every reward of
     ``reward.evaluate`` and ``reward.weights`` (the trained ones are always reported).
 
     Writes ``EvalSamples`` (images ``[P, S, H, W, 3]``, seeds), ``EvalMetrics`` (per prompt and reward) and
-    ``samples.png``.
+    ``samples.png``. With ``shard``, only its prompts' samples and table (``reduce_evaluate`` does the rest).
     """
     evaluation = ctx.cfg.prompt_sets()[1]
-    prompts = evaluation.prompts
+    positions = shard.positions(len(evaluation.prompts))
+    prompts = [evaluation.prompts[p] for p in positions]
     S = ctx.cfg.campaign.eval_seeds
     seeds = np.array(
-        [[derive_seed(ctx.cfg.campaign.seed, "eval", p, s) for s in range(S)] for p in range(len(prompts))],
-        dtype=np.int64,
+        [[derive_seed(ctx.cfg.campaign.seed, "eval", p, s) for s in range(S)] for p in positions], dtype=np.int64
     )
     policy = ctx.load_policy(trained)
     flat = [p for p in prompts for _ in range(S)]
@@ -62,16 +63,15 @@ def evaluate(ctx: StageContext, out: Path, trained: TrainedPolicy | None) -> Sta
         ).samples  # deterministic ODE
     images = policy.model.decode(samples)
     grid = images.reshape(len(prompts), S, *images.shape[1:])
-    metadata = [m for m in evaluation.metadata for _ in range(S)] if evaluation.has_metadata() else None
-    rewards = dict.fromkeys([*ctx.cfg.reward.weights, *ctx.cfg.reward.evaluate], 1.0)  # the trained ones too
-    values = score_images(ctx, images, flat, rewards, metadata)
-    EvalSamples(
+    metadata = [evaluation.metadata[p] for p in positions for _ in range(S)] if evaluation.has_metadata() else None
+    values = score_images(ctx, images, flat, dict.fromkeys(eval_rewards(ctx), 1.0), metadata)
+    drawn = EvalSamples(
         images=grid,
         seeds=seeds,
-        prompt_index=np.arange(len(prompts)),
-        attrs={"prompts": prompts, "policy_version": ctx.iteration},
-    ).write(out)
-    EvalMetrics(
+        prompt_index=np.asarray(positions, dtype=np.int64),
+        attrs={"prompts": prompts, "policy_version": ctx.iteration, "grid_period": policy.model.grid_period},
+    )
+    table = EvalMetrics(
         pd.DataFrame(
             [
                 {"prompt": prompts[p], "reward": name, "mean": float(v.reshape(len(prompts), S)[p].mean())}
@@ -79,12 +79,40 @@ def evaluate(ctx: StageContext, out: Path, trained: TrainedPolicy | None) -> Sta
                 for p in range(len(prompts))
             ]
         )
-    ).write(out)
+    )
+    drawn.write(out)
+    table.write(out)
+    return StageOutput() if shard.count > 1 else _summary(ctx, out, drawn, table)
+
+
+def eval_rewards(ctx: StageContext) -> list[str]:
+    """The rewards an evaluation reports, in order: the trained ones, then ``reward.evaluate``."""
+    return list(dict.fromkeys([*ctx.cfg.reward.weights, *ctx.cfg.reward.evaluate]))
+
+
+def reduce_evaluate(ctx: StageContext, out: Path, folders: list[Path], trained: TrainedPolicy | None) -> StageOutput:
+    """The evaluate stage from its shards' folders (``solrl.stages.pipeline.run_stage``): their samples and tables
+    concatenated (the table in the whole stage's order: by reward, then prompt), then the grid and metrics."""
+    drawn = EvalSamples.concat([EvalSamples.read(folder / EvalSamples.filename) for folder in folders])
+    frame = pd.concat([EvalMetrics.read(folder / EvalMetrics.filename).frame for folder in folders])
+    order = {name: i for i, name in enumerate(eval_rewards(ctx))}
+    table = EvalMetrics(frame.sort_values("reward", key=lambda r: r.map(order), kind="stable", ignore_index=True))
+    drawn.write(out)
+    table.write(out)
+    return _summary(ctx, out, drawn, table)
+
+
+def _summary(ctx: StageContext, out: Path, drawn: EvalSamples, table: EvalMetrics) -> StageOutput:
+    """The grid picture, the metrics (each reward's mean over prompts of the per-prompt means, diversity, grid
+    energy) and the reward-hacking warnings of a whole evaluation."""
+    prompts, grid = drawn.prompts, drawn.images
     save_grid(grid, out / GRID, row_labels=prompts)
-    metrics = {f"eval/{name}": float(v.mean()) for name, v in values.items()}
+    means = table.frame.groupby("reward", sort=False)["mean"]
+    metrics = {f"eval/{name}": float(values.to_numpy(np.float64).mean()) for name, values in means}
     metrics["eval/diversity"] = pairwise_diversity(grid)
-    if policy.model.grid_period >= 2:
-        metrics["eval/grid_energy"] = float(grid_energy(images, policy.model.grid_period).mean())
+    period = int(drawn.attrs["grid_period"])
+    if period >= 2:
+        metrics["eval/grid_energy"] = float(grid_energy(grid.reshape(-1, *grid.shape[2:]), period).mean())
     warnings = []
     start = read_manifest(ctx.run_dir, 0, "evaluate") if ctx.iteration > 0 else None
     if start is not None and metrics["eval/diversity"] < DIVERSITY_WARN_FRACTION * start.metrics["eval/diversity"]:
@@ -97,6 +125,6 @@ def evaluate(ctx: StageContext, out: Path, trained: TrainedPolicy | None) -> Sta
     if grid_now is not None and grid_start and grid_now > max(GRID_WARN_FACTOR * grid_start, GRID_WARN_MIN):
         warnings.append(
             f"grid-artifact energy {grid_now:.4f} is {grid_now / grid_start:.1f}x the starting policy's: the policy "
-            f"may be learning a texture at the {policy.model.grid_period}-pixel patch period; look at {GRID}"
+            f"may be learning a texture at the {period}-pixel patch period; look at {GRID}"
         )
     return StageOutput(metrics=metrics, info={"warnings": warnings})

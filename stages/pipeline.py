@@ -24,7 +24,7 @@ from solrl.config import RunConfig
 from solrl.stages.audit import audit
 from solrl.stages.checkpoint import checkpoint
 from solrl.stages.context import StageContext
-from solrl.stages.evaluate import evaluate
+from solrl.stages.evaluate import evaluate, reduce_evaluate
 from solrl.stages.explore import explore
 from solrl.stages.regenerate import regenerate
 from solrl.stages.score import reduce_score_explore, reduce_score_regenerate, score_explore, score_regenerate
@@ -34,11 +34,10 @@ from solrl.stages.update import update
 from solrl.storage.artifacts import (
     Artifact,
     CandidatePool,
+    EvalSamples,
     ExploreRewards,
     RegeneratedRewards,
     Samples,
-    TableArtifact,
-    ZarrArtifact,
 )
 from solrl.storage.stage import (
     StageManifest,
@@ -69,10 +68,12 @@ class Stage:
     name: str
     fn: Callable[..., StageOutput]
     #: The artifact each shard writes (None: the stage does not shard).
-    sharded: type[ZarrArtifact] | type[TableArtifact] | None = None
-    #: ``reduce(ctx, out, parts, *inputs)`` writes the stage from its shards' artifacts and returns its output;
-    #: None: the parts are concatenated (``ZarrArtifact.concat``) and their outputs merged (``merge_outputs``).
+    sharded: type[Artifact] | None = None
+    #: ``reduce(ctx, out, folders, *inputs)`` writes the stage from its shards' committed folders and returns its
+    #: output; None: the shards' ``sharded`` Zarr artifacts are concatenated and their outputs merged.
     reduce: Callable[..., StageOutput] | None = None
+    #: How many prompts the stage splits (shards are at most one per prompt): the iteration's by default.
+    prompts: Callable[[RunConfig], int] = lambda cfg: cfg.campaign.prompts_per_iteration
 
     @cached_property
     def reads(self) -> tuple[type[Artifact], ...]:
@@ -100,7 +101,7 @@ ITERATION: tuple[Stage, ...] = (
     Stage("audit", audit),
     Stage("update", update),
     Stage("checkpoint", checkpoint),
-    Stage("evaluate", evaluate),
+    Stage("evaluate", evaluate, EvalSamples, reduce_evaluate, lambda cfg: len(cfg.eval_prompts())),
 )
 STAGES = {stage.name: stage for stage in ITERATION}
 
@@ -157,7 +158,7 @@ def stage_shards(ctx: StageContext, stage: Stage) -> list[Shard]:
     one (the whole stage) for a stage that does not shard."""
     if stage.sharded is None:
         return [Shard()]
-    count = min(ctx.cfg.campaign.shards, ctx.cfg.campaign.prompts_per_iteration)
+    count = min(ctx.cfg.campaign.shards, stage.prompts(ctx.cfg))
     return [Shard(index, count) for index in range(count)]
 
 
@@ -248,12 +249,11 @@ def run_stage(ctx: StageContext, name: str) -> tuple[StageManifest, bool]:
         assert artifact is not None
 
         def reduce(out: Path) -> StageOutput:
-            folders = [require(ctx.run_dir, ctx.iteration, m.stage)[0] for m in committed]
-            parts = [artifact.read(folder / artifact.filename) for folder in folders]
+            folders = [require(ctx.run_dir, ctx.iteration, m.stage)[0] for m in committed]  # checksums verified
             if stage.reduce is not None:
                 inputs = [a.load(ctx.run_dir, ctx.iteration) for a in stage.reads]
-                return replace_info(stage.reduce(ctx, out, parts, *inputs), shards=len(parts))
-            artifact.concat(parts).write(out)
+                return replace_info(stage.reduce(ctx, out, folders, *inputs), shards=len(folders))
+            artifact.concat([artifact.read(folder / artifact.filename) for folder in folders]).write(out)
             return merge_outputs(committed)
 
         seconds = sum(m.seconds for m in committed)

@@ -108,9 +108,9 @@ def _explore_summary(rewards: ExploreRewards, pool: CandidatePool) -> StageOutpu
     return StageOutput(metrics=_summary("explore", rewards.totals(np.broadcast_to(np.arange(N), (P, N)))))
 
 
-def reduce_score_explore(ctx: StageContext, out: Path, parts: list[ExploreRewards], pool: CandidatePool) -> StageOutput:
-    """The score_explore stage from its shards' tables (``solrl.stages.pipeline.run_stage``)."""
-    rewards = ExploreRewards(merge_rewards(ctx, parts))
+def reduce_score_explore(ctx: StageContext, out: Path, folders: list[Path], pool: CandidatePool) -> StageOutput:
+    """The score_explore stage from its shards' folders (``solrl.stages.pipeline.run_stage``)."""
+    rewards = ExploreRewards(merge_rewards(ctx, [ExploreRewards.read(f / ExploreRewards.filename) for f in folders]))
     rewards.write(out)
     return _explore_summary(rewards, pool)
 
@@ -130,9 +130,10 @@ def score_regenerate(
 
 
 def reduce_score_regenerate(
-    ctx: StageContext, out: Path, parts: list[RegeneratedRewards], samples: Samples, selection: Selection
+    ctx: StageContext, out: Path, folders: list[Path], samples: Samples, selection: Selection
 ) -> StageOutput:
-    """The score_regenerate stage from its shards' tables (``solrl.stages.pipeline.run_stage``)."""
+    """The score_regenerate stage from its shards' folders (``solrl.stages.pipeline.run_stage``)."""
+    parts = [RegeneratedRewards.read(folder / RegeneratedRewards.filename) for folder in folders]
     rewards = RegeneratedRewards(merge_rewards(ctx, parts))
     rewards.write(out)
     return _regenerate_summary(ctx, out, rewards, samples, selection)

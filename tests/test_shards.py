@@ -88,6 +88,8 @@ def test_two_and_four_shards_give_the_one_shard_run_and_leave_no_shard_folder(tm
         manifest = read_manifest(run_dir, 1, "explore")
         assert manifest is not None and manifest.info["shards"] == count
         assert manifest.info["prompts"] == 4 and manifest.info["pool_size"] == 8  # counts summed, the rest kept
+        for stage in ("score_explore", "regenerate", "score_regenerate", "evaluate"):  # 10 evaluation prompts
+            assert read_manifest(run_dir, 2, stage).info["shards"] == count, stage
         # The stage keys do not depend on the layout: the shard count is outside the config hash.
         assert tiny_config(tmp_path, f"campaign.shards={count}").digest() == tiny_config(tmp_path).digest()
 
