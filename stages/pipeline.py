@@ -21,7 +21,7 @@ from functools import cached_property
 from pathlib import Path
 
 from solrl.config import RunConfig
-from solrl.stages.audit import audit
+from solrl.stages.audit import audit, audit_prompts, reduce_audit
 from solrl.stages.checkpoint import checkpoint
 from solrl.stages.context import StageContext
 from solrl.stages.evaluate import evaluate, reduce_evaluate
@@ -33,6 +33,7 @@ from solrl.stages.sharding import Shard
 from solrl.stages.update import update
 from solrl.storage.artifacts import (
     Artifact,
+    AuditPool,
     CandidatePool,
     EvalSamples,
     ExploreRewards,
@@ -98,7 +99,7 @@ ITERATION: tuple[Stage, ...] = (
     Stage("select", select),
     Stage("regenerate", regenerate, Samples),
     Stage("score_regenerate", score_regenerate, RegeneratedRewards, reduce_score_regenerate),
-    Stage("audit", audit),
+    Stage("audit", audit, AuditPool, reduce_audit, audit_prompts),
     Stage("update", update),
     Stage("checkpoint", checkpoint),
     Stage("evaluate", evaluate, EvalSamples, reduce_evaluate, lambda cfg: len(cfg.eval_prompts())),

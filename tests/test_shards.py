@@ -90,6 +90,9 @@ def test_two_and_four_shards_give_the_one_shard_run_and_leave_no_shard_folder(tm
         assert manifest.info["prompts"] == 4 and manifest.info["pool_size"] == 8  # counts summed, the rest kept
         for stage in ("score_explore", "regenerate", "score_regenerate", "evaluate"):  # 10 evaluation prompts
             assert read_manifest(run_dir, 2, stage).info["shards"] == count, stage
+        assert read_manifest(run_dir, 2, "audit").info["shards"] == 2  # fidelity.audit_prompts=2: 2 at most
+        for key, value in read_manifest(tmp_path / "one" / RUN_ID, 2, "audit").metrics.items():
+            assert read_manifest(run_dir, 2, "audit").metrics[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
         # The stage keys do not depend on the layout: the shard count is outside the config hash.
         assert tiny_config(tmp_path, f"campaign.shards={count}").digest() == tiny_config(tmp_path).digest()
 
