@@ -3,6 +3,10 @@ flow), never by the config schema, so any machine can list, inspect and report a
 
 from __future__ import annotations
 
+import importlib.util
+
+import torch
+
 from solrl.config import ConfigError, RunConfig, validate_config
 from solrl.registry import EXPLORE_BACKENDS, REWARDS
 from solrl.stages.models import model_family, resolve_device
@@ -14,7 +18,8 @@ from solrl.storage.fingerprint import changed_files
 def check_runnable(cfg: RunConfig, prompts_sha256: str | None = None, weights: dict[str, str] | None = None) -> None:
     """Check, before any work, that this machine can run ``cfg``.
 
-    Checks: the model family's weights files; ``model.device``; the explore backend on this hardware; the prompt
+    Checks: the model family's weights files; ``model.device`` (and a GPU per update process); the task runner's
+    Prefect integration; the explore backend on this hardware; the prompt
     files readable and scorable by every configured reward; with ``prompts_sha256`` (a run's recorded digest),
     that the prompt files still hold the prompts the run's committed stages used; with ``weights`` (a run's
     recorded fingerprint, ``storage.fingerprint``), that the weights folder still holds the same files.
@@ -33,7 +38,15 @@ def check_runnable(cfg: RunConfig, prompts_sha256: str | None = None, weights: d
                 f"the model weights in {family.weights_dir(cfg.model)} changed since the run was created "
                 f"({shown}), and its committed stages used the old weights; restore them or start a new run"
             )
-    resolve_device(cfg.model.device)
+    device = resolve_device(cfg.model.device)
+    nproc = cfg.train.nproc_per_node
+    if device.type == "cuda" and nproc > torch.cuda.device_count():
+        raise ConfigError(
+            f"train.nproc_per_node={nproc} needs a GPU per process; this machine has {torch.cuda.device_count()}"
+        )
+    runner = cfg.campaign.task_runner
+    if runner != "local" and importlib.util.find_spec(f"prefect_{runner}") is None:
+        raise ConfigError(f"campaign.task_runner={runner} needs prefect-{runner}: pip install 'solrl[distributed]'")
     reason = EXPLORE_BACKENDS.get(cfg.explore.precision).unavailable_reason()
     if reason is not None:
         raise ConfigError(

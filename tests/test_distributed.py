@@ -87,3 +87,17 @@ def test_two_processes_on_gloo_train_what_one_process_trains_and_a_killed_proces
     resumed, skipped = run_stage(two, "update")
     assert not skipped and resumed.inputs_hash == manifest.inputs_hash
     assert_same_update(one, reference)
+
+
+def test_two_processes_train_what_one_trains_with_the_flow_grpo_loss_too(tmp_path: Path):
+    """Flow-GRPO trains on stored SDE trajectories (no random draw in the loss): each process's rows only."""
+    grpo = (*LAYOUT, "train.loss=flow_grpo", "regenerate.noise_level=0.7", "train.lr=3e-3", "train.clip_range=1e-3")
+    run = create_run(tiny_config(tmp_path, *grpo), "ddp-grpo")
+    ctx = StageContext(run.config, run.run_dir, run.run_id, 1, run.config_hash)
+    for stage in ("explore", "score_explore", "select", "regenerate", "score_regenerate", "update"):
+        run_stage(ctx, stage)
+    two = StageContext(tiny_config(tmp_path, *grpo, "train.nproc_per_node=2"), run.run_dir, run.run_id, 1)
+    out = tmp_path / "two-processes"
+    out.mkdir()
+    launch_update(two, out)
+    assert_same_update(out, stage_dir(run.run_dir, 1, "update"), lr=3e-3, steps=2)

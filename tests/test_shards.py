@@ -203,3 +203,18 @@ def test_a_dask_address_that_does_not_answer_is_one_line_naming_the_field(tmp_pa
     cfg = tiny_config(tmp_path, "campaign.shards=2", "campaign.task_runner=dask", address)
     with pytest.raises(ConfigError, match=f"{address}: cannot reach the Dask scheduler"), shard_task_runner(cfg):
         pass
+
+
+def test_a_task_runner_whose_prefect_integration_is_missing_is_refused_before_any_work(tmp_path: Path, monkeypatch):
+    import importlib.util
+
+    from solrl.config import ConfigError
+    from solrl.stages.runnable import check_runnable
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "prefect_ray" else find_spec(name))
+    cfg = tiny_config(tmp_path, "campaign.shards=2", "campaign.task_runner=ray")
+    with pytest.raises(
+        ConfigError, match=r"campaign.task_runner=ray needs prefect-ray: pip install 'solrl\[distributed\]'"
+    ):
+        check_runnable(cfg)
