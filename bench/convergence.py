@@ -198,39 +198,49 @@ def plot(frame: pd.DataFrame, path: Path) -> None:
     plt.close(fig)
 
 
-def seconds_to_reach(group: pd.DataFrame, metric: str, target: float) -> float:
-    """Cumulative training seconds at the first iteration where ``metric`` >= ``target`` (nan if never)."""
+def seconds_to_reach(group: pd.DataFrame, metric: str, target: float, column: str = "train_seconds") -> float:
+    """Cumulative training seconds (or ``column``) at the first iteration where ``metric`` >= ``target`` (nan if
+    never)."""
     hit = group[(group.iteration > 0) & (group[metric] >= target)]
-    return float(hit.sort_values("iteration")["train_seconds"].iloc[0]) if len(hit) else float("nan")
+    return float(hit.sort_values("iteration")[column].iloc[0]) if len(hit) else float("nan")
 
 
-def report(frame: pd.DataFrame, target: float) -> str:
+def report(frame: pd.DataFrame, target: float, seconds: bool = True) -> str:
     """The markdown tables: final alignment / diversity per preset, time to ``target`` evaluator alignment,
-    and the per-stage time split."""
+    and the per-stage time split. ``seconds=False`` (runs that shared the machine, whose timings mean nothing)
+    gives iterations to the target instead and no time split."""
     frame = relative(frame)
     iterations = int(frame.iteration.max())
     presets = list(dict.fromkeys(frame.preset))
     seeds = sorted(frame.seed.unique().tolist())
     last, first = frame[frame.iteration == iterations], frame[frame.iteration == 0]
+    timing = (
+        f"train s / iteration | train s to evaluator >= {target}" if seconds else f"iterations to evaluator >= {target}"
+    )
     lines = [
         f"tiny-digits, {iterations} iterations, seeds {seeds}; mean +- std over seeds; machine: "
-        f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
+        f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
+        + ("" if seconds else "; timings omitted (the runs shared the machine)"),
         "",
-        f"| preset | runs | alignment | evaluator | diversity (vs start) | grid energy (x start) | train s / "
-        f"iteration | train s to evaluator >= {target} (runs reaching it) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
-        f"| start (iteration 0) | {first.seed.nunique()} | " + cells(first) + " | | |",
+        f"| preset | runs | alignment | evaluator | diversity (vs start) | grid energy (x start) | {timing} (runs "
+        f"reaching it) |",
+        "| --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if seconds else ""),
+        f"| start (iteration 0) | {first.seed.nunique()} | " + cells(first) + (" | | |" if seconds else " | |"),
     ]
     for preset in presets:
         rows, runs = last[last.preset == preset], frame[frame.preset == preset]
-        per_iter = runs.groupby("seed")["train_seconds"].max() / iterations
-        reach = pd.Series([seconds_to_reach(g, EVALS[1], target) for _, g in runs.groupby("seed")])
+        column = "train_seconds" if seconds else "iteration"
+        reach = pd.Series([seconds_to_reach(g, EVALS[1], target, column) for _, g in runs.groupby("seed")])
         reached = (
-            f"{reach.mean():.0f} ({reach.notna().sum()}/{len(reach)})"
+            f"{reach.mean():.{0 if seconds else 1}f} ({reach.notna().sum()}/{len(reach)})"
             if reach.notna().any()
             else f"never (0/{len(reach)})"
         )
-        lines.append(f"| {preset} | {len(rows)} | " + cells(rows) + f" | {per_iter.mean():.2f} | {reached} |")
+        per_iter = runs.groupby("seed")["train_seconds"].max() / iterations
+        timed = f" | {per_iter.mean():.2f}" if seconds else ""
+        lines.append(f"| {preset} | {len(rows)} | " + cells(rows) + f"{timed} | {reached} |")
+    if not seconds:
+        return "\n".join(lines)
     split = stage_split(frame)
     lines += [
         "",
@@ -270,6 +280,12 @@ def main() -> None:
     parser.add_argument(
         "--grids", type=Path, default=None, help="copy each run's first and last evaluation grid into this folder"
     )
+    parser.add_argument(
+        "--no-seconds",
+        dest="seconds",
+        action="store_false",
+        help="no timing columns (for runs that shared the machine): iterations to the target instead",
+    )
     parser.add_argument("--target", type=float, default=0.8, help="evaluator alignment for the time-to column")
     parser.add_argument(
         "--from-csv",
@@ -296,7 +312,7 @@ def main() -> None:
             shutil.rmtree(store, ignore_errors=True)
         frame = pd.concat(frames, ignore_index=True)
     plot(frame, args.out / "convergence.png")
-    table = report(frame, args.target)
+    table = report(frame, args.target, args.seconds)
     (args.out / "convergence.md").write_text(table + "\n")
     print(table)
     written = [args.out / "convergence.md", args.out / "convergence.png"]
