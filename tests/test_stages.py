@@ -249,6 +249,17 @@ def test_explore_and_regenerate_share_the_sde_noise_path_of_a_seed(tmp_path):
     assert not torch.allclose(alone.samples, ode.samples)
 
 
+def test_sol_rl_is_the_default_tiny_digits_preset_under_its_own_name():
+    """Presets do not inherit from tiny-digits.yaml (each is its file plus the schema defaults): a default
+    changed in tiny-digits.yaml alone left sol-rl and the baselines on the old settings (issue 12)."""
+    from solrl.config import load_config
+
+    default, sol_rl = load_config("tiny-digits").model_dump(), load_config("sol-rl").model_dump()
+    assert {k: v for k, v in default.items() if k != "name"} == {k: v for k, v in sol_rl.items() if k != "name"}
+    for preset in ("bf16-scaling", "naive-fp4", "diffusionnft"):  # the same training as the default
+        assert load_config(preset).train == load_config("tiny-digits").train, preset
+
+
 @pytest.mark.parametrize(
     "preset",
     ["sol-rl", "sol-rl-unregularised", "bf16-scaling", "naive-fp4", "diffusionnft", "sol-rl-flow-grpo", "flow-grpo"],
