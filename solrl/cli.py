@@ -7,6 +7,7 @@ unknown run) is one line on stderr, exit code 2, and nothing written.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import sys
@@ -358,7 +359,7 @@ def report(
     for _, row in frame.iterrows():
         table.add_row(
             str(int(row["iteration"])),
-            *[f"{row[c]:.4f}" if row[c] == row[c] else "" for c in columns],  # NaN: not logged
+            *["" if math.isnan(row[c]) else f"{row[c]:.4f}" for c in columns],  # NaN: not logged
             f"{row['seconds/iteration']:.1f}",
         )
     Console(width=200).print(table)
