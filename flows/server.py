@@ -16,9 +16,7 @@ Prefect's ephemeral mode does) with three differences:
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -26,21 +24,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from solrl.processes import die_with_parent
+
 #: Seconds to wait for the temporary server's health check (a cold start on a busy 2-core machine took 17 s).
 START_TIMEOUT = float(os.environ.get("SOLRL_PREFECT_START_TIMEOUT", "180"))
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    """Ask for SIGTERM when the parent exits (Linux); exit now if the parent is already gone."""
-    parent = os.getppid()
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass  # not Linux: the parent's atexit/finally still stops it unless the parent is SIGKILLed
-    if os.getppid() != parent:
-        os._exit(1)
 
 
 def _free_port() -> int:
@@ -102,7 +89,7 @@ class TemporaryServer:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
                 start_new_session=True,
             )
         import atexit

@@ -24,6 +24,13 @@ PROMPT_EMBEDDINGS = "prompt_embeddings"
 _POLICIES: dict[tuple[str, int, str, str], Policy] = {}
 
 
+def release_policies() -> None:
+    """Drop this process's loaded policy (and its GPU memory), e.g. before other processes load theirs."""
+    _POLICIES.clear()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 @dataclass(frozen=True)
 class StageContext:
     """A stage's view of the run. ``iteration`` counts from 1; iteration i trains policy version i - 1."""

@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
-from solrl.stages.context import StageContext
+from solrl.processes import die_with_parent
+from solrl.stages.context import StageContext, release_policies
 from solrl.storage.stage import StageOutput
 
 #: The first process's metrics and info, read and removed by the launcher (never committed).
@@ -52,9 +54,25 @@ def launch_update(ctx: StageContext, out: Path) -> StageOutput:
         str(ctx.iteration),
         str(out),
     ]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-15:])
+    release_policies()  # the stage's own process holds no model while the torchrun processes load theirs
+    # A session of its own, so a stop (Ctrl-C, SIGTERM, a failed task) takes torchrun *and* its workers down; and
+    # SIGTERM to torchrun when this process dies, SIGKILL included (torchrun then stops its workers).
+    proc = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        preexec_fn=die_with_parent,
+    )
+    try:
+        output, _ = proc.communicate()
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
+    if proc.returncode != 0:
+        tail = "\n".join(output.strip().splitlines()[-15:])
         raise RuntimeError(f"iteration {ctx.iteration} update under torchrun ({nproc} processes) failed:\n{tail}")
     path = out / OUTPUT_FILE
     result = json.loads(path.read_text(encoding="utf-8"))
@@ -64,8 +82,6 @@ def launch_update(ctx: StageContext, out: Path) -> StageOutput:
 
 def main(argv: list[str]) -> None:
     """One torchrun process: ``STORE RUN_ID ITERATION OUT`` (the environment carries RANK, WORLD_SIZE, ...)."""
-    import signal
-
     import torch
     import torch.distributed as dist
 

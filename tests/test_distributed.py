@@ -101,3 +101,47 @@ def test_two_processes_train_what_one_trains_with_the_flow_grpo_loss_too(tmp_pat
     out.mkdir()
     launch_update(two, out)
     assert_same_update(out, stage_dir(run.run_dir, 1, "update"), lr=3e-3, steps=2)
+
+
+def test_the_torchrun_processes_die_with_the_stage_that_launched_them(tmp_path: Path):
+    """SIGKILL of the process running the update (a killed solrl, a lost Prefect worker): torchrun stops, and
+    stops its workers; nothing keeps training into a dead commit. (Two things stop it: the kernel's SIGTERM,
+    PR_SET_PDEATHSIG, and its output pipe breaking; either alone passes this test, the first in about 10 s.)"""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    run = create_run(tiny_config(tmp_path, *LAYOUT, "train.nproc_per_node=2"), "orphans")
+    ctx = StageContext(run.config, run.run_dir, run.run_id, 1, run.config_hash)
+    for stage in ("explore", "score_explore", "select", "regenerate", "score_regenerate"):
+        run_stage(ctx, stage)
+    script = (
+        "import sys; sys.path.insert(0, 'tests')\n"
+        "from solrl.storage.runs import open_run\nfrom solrl.stages.context import StageContext\n"
+        "from solrl.stages.pipeline import run_stage\n"
+        f"run = open_run({str(tmp_path)!r}, 'orphans')\n"
+        "run_stage(StageContext(run.config, run.run_dir, run.run_id, 1, run.config_hash), 'update')\n"
+    )
+    stage = subprocess.Popen([sys.executable, "-c", script])
+
+    def workers() -> list[psutil.Process]:
+        found = []
+        for proc in psutil.process_iter(["cmdline"]):
+            cmdline = " ".join(proc.info["cmdline"] or [])
+            if "solrl.stages.distributed" in cmdline and str(tmp_path) in cmdline:
+                found.append(proc)
+        return found
+
+    deadline = time.monotonic() + 120
+    while len(workers()) < 3 and time.monotonic() < deadline:  # torchrun and its 2 workers
+        time.sleep(0.2)
+    assert len(workers()) >= 3, "torchrun did not start its workers"
+    os.kill(stage.pid, signal.SIGKILL)
+    stage.wait()
+    gone, alive = psutil.wait_procs(workers(), timeout=30)
+    assert not alive, [p.pid for p in alive]
+    assert read_manifest(run.run_dir, 1, "update") is None
