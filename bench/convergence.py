@@ -153,19 +153,20 @@ def stage_split(frame: pd.DataFrame) -> pd.DataFrame:
     return split
 
 
-def plot(frame: pd.DataFrame, path: Path) -> None:
-    """Evaluation metrics against iteration (mean +- std over seeds) and against training seconds, and the
-    per-stage time split of an iteration as stacked bars; one PNG."""
+def plot(frame: pd.DataFrame, path: Path, seconds: bool = True) -> None:
+    """Evaluation metrics against iteration (mean +- std over seeds) and, with ``seconds``, against training
+    seconds, and the per-stage time split of an iteration as stacked bars; one PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     shown = [m for m in EVALS if m in frame]  # CSVs of earlier runs lack the grid energy
-    fig = plt.figure(figsize=(5 * len(shown), 10.5))
-    grid = fig.add_gridspec(3, len(shown))
+    fig = plt.figure(figsize=(5 * len(shown), 10.5 if seconds else 4))
+    grid = fig.add_gridspec(3 if seconds else 1, len(shown))
     for col, metric in enumerate(shown):
-        by_iteration, by_seconds = fig.add_subplot(grid[0, col]), fig.add_subplot(grid[1, col])
+        by_iteration = fig.add_subplot(grid[0, col])
+        by_seconds = fig.add_subplot(grid[1, col]) if seconds else None
         for preset, group in frame.groupby("preset", sort=False):
             stats = group.groupby("iteration")[metric].agg(["mean", "std"]).reset_index()
             (line,) = by_iteration.plot(stats["iteration"], stats["mean"], label=preset)
@@ -176,14 +177,22 @@ def plot(frame: pd.DataFrame, path: Path) -> None:
                 alpha=0.2,
                 color=line.get_color(),
             )
-            timed = group.groupby("iteration")[[metric, "train_seconds"]].mean()
-            by_seconds.plot(timed["train_seconds"], timed[metric], label=preset)
+            if by_seconds is not None:
+                timed = group.groupby("iteration")[[metric, "train_seconds"]].mean()
+                by_seconds.plot(timed["train_seconds"], timed[metric], label=preset)
         by_iteration.set(title=metric, xlabel="iteration")
-        by_seconds.set(title=metric, xlabel="training seconds (evaluation excluded)")
+        if by_seconds is not None:
+            by_seconds.set(title=metric, xlabel="training seconds (evaluation excluded)")
         for ax in (by_iteration, by_seconds):
-            ax.grid(alpha=0.3)
+            if ax is not None:
+                ax.grid(alpha=0.3)
         if col == 0:
             by_iteration.legend(fontsize=8)
+    if not seconds:
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return
     bars = fig.add_subplot(grid[2, :])
     split = stage_split(frame)
     left = np.zeros(len(split))
@@ -311,7 +320,7 @@ def main() -> None:
         finally:
             shutil.rmtree(store, ignore_errors=True)
         frame = pd.concat(frames, ignore_index=True)
-    plot(frame, args.out / "convergence.png")
+    plot(frame, args.out / "convergence.png", args.seconds)
     table = report(frame, args.target, args.seconds)
     (args.out / "convergence.md").write_text(table + "\n")
     print(table)
