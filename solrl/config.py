@@ -256,9 +256,10 @@ class CampaignConfig(_Section):
     shards: int = Field(
         1,
         ge=1,
-        description="Prompt shards of the explore and regenerate stages: each shard is its own task and committed "
-        "folder, then one reduce writes the stage (at most one shard per prompt). Layout only: results and cache "
-        "keys do not depend on it, so `solrl resume --shards N` may change it.",
+        description="Prompt shards of the generating and scoring stages (explore, score_explore, regenerate, "
+        "score_regenerate, audit, evaluate): each shard is its own task and committed folder, then one reduce "
+        "writes the stage (at most one shard per prompt). Layout only: results and cache keys do not depend on it, "
+        "so `solrl resume --shards N` may change it.",
     )
     task_runner: Literal["local", "dask", "ray"] = Field(
         "local",
