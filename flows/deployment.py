@@ -1,7 +1,9 @@
 """The deployment ``solrl serve`` serves: start or continue a campaign with parameters typed for the Prefect UI.
 
 No ``from __future__ import annotations`` here: Prefect builds the UI form and validates a triggered run's
-parameters from these annotations at run time, and pydantic must see them evaluated.
+parameters from these annotations at run time, and pydantic must see them evaluated. The form's field
+descriptions come from the ``Args:`` section of the flow's docstring (Prefect reads parameter descriptions
+there, not from ``Annotated[..., Field(description=...)]``); ``tests/test_serve.py`` reads them back from the API.
 """
 
 from pathlib import Path
@@ -10,44 +12,48 @@ from typing import Annotated
 from prefect import flow, get_run_logger
 from pydantic import Field
 
-from solrl.flows.sol_rl import campaign
+from solrl.flows.sol_rl import run_campaign
 from solrl.stages.runnable import check_runnable
 
 
-@flow(name="sol-rl", flow_run_name="{config}")
+@flow(name="sol-rl")
 def sol_rl(
-    config: Annotated[str, Field(description="Preset name (configs/*.yaml) or a YAML path on the serving machine.")] = (
-        "tiny-digits"
-    ),
-    overrides: Annotated[
-        list[str], Field(description="section.key=value overrides, as solrl run --set takes them.")
-    ] = [],  # noqa: B006 - Prefect copies parameters per run; a list shows as a list field in the UI form
-    base_overrides: Annotated[
-        list[str], Field(description="The served config's overrides (solrl serve --set), applied before overrides.")
-    ] = [],  # noqa: B006
-    iterations: Annotated[int | None, Field(ge=1, description="campaign.iterations (empty: the config's).")] = None,
-    run_id: Annotated[
-        str | None,
-        Field(description="Continue this run if it exists, else start it under this id (empty: a new id)."),
-    ] = None,
-    store: Annotated[str | None, Field(description="Run store folder (empty: the config's storage.root).")] = None,
+    config: str = "tiny-digits",
+    overrides: list[str] = [],  # noqa: B006 - Prefect copies parameters per run; a list shows as a list field in the UI form
+    base_overrides: list[str] = [],  # noqa: B006
+    iterations: Annotated[int | None, Field(ge=1)] = None,
+    run_id: str | None = None,
+    store: str | None = None,
 ) -> dict[str, float]:
-    """Start or continue a Sol-RL campaign: the flow ``solrl serve`` serves as a deployment, whose parameters the
-    Prefect UI shows as a form.
+    """Start or continue a Sol-RL campaign (FP4 explore, BF16 train): each iteration is a subflow run whose task
+    runs are the persisted stages; its rankings and summary are this run's artifacts.
 
-    A run id that exists in the store is continued exactly as ``solrl resume`` continues it (its stored config
-    wins; ``config``, ``overrides`` and ``iterations`` are then ignored, with a warning). Without a run id the
-    run is named after the preset and this flow run's id, so a retry of the same flow run (the Prefect UI's
-    Retry) finds the run its first attempt created and continues it: no committed stage is recomputed.
+    A run id that exists in the store is continued exactly as ``solrl resume`` continues it: its stored config
+    wins, and any override that would change it is logged as ignored. Without a run id the run is named after
+    the preset and this flow run's id, so a Retry of this flow run continues the run its first attempt created:
+    no committed stage is recomputed, whatever Prefect's Retry dialog says of task results. This flow run keeps
+    the name given in the form; its tags name the solrl run and the preset.
+
+    Args:
+        config: Preset name (configs/*.yaml, e.g. tiny-digits, sol-rl, flow-grpo) or a YAML path on the machine
+            that runs the flow.
+        overrides: Settings of this run, one section.key=value per item, as `solrl run --set` takes them, e.g.
+            campaign.prompts_per_iteration=4 or explore.pool_size=64.
+        base_overrides: The served config's own overrides (`solrl serve --set ...`), applied before overrides;
+            leave as served.
+        iterations: campaign.iterations: RL iterations of this campaign (empty: the config's).
+        run_id: Continue this solrl run if it exists in the store, else start it under this id (empty: a new id,
+            preset name and flow run id).
+        store: Run store folder on the machine that runs the flow (empty: the config's storage.root).
 
     Raises:
         ConfigError: a bad config or override, or this machine cannot run it.
     """
     from prefect.runtime import flow_run
 
-    from solrl.config import load_config
+    from solrl.config import changed_by, load_config
     from solrl.stages.models import model_family
-    from solrl.storage.runs import RUN_FILE, create_run
+    from solrl.storage.runs import RUN_FILE, create_run, open_run
 
     logger = get_run_logger()
     extra = [*base_overrides, *overrides, *([f"campaign.iterations={iterations}"] if iterations else [])]
@@ -55,11 +61,12 @@ def sol_rl(
     root = Path(cfg.storage.root).expanduser().resolve()
     run_id = run_id or f"{cfg.name}-{str(flow_run.get_id())[:8]}"
     if (root / run_id / RUN_FILE).exists():
-        if extra:
-            logger.warning("run %s exists: continuing it with its stored config; ignored %s", run_id, extra)
+        ignored = changed_by(open_run(root, run_id).config, extra)
+        if ignored:
+            logger.warning("run %s exists: continuing it with its stored config; ignored %s", run_id, ignored)
         logger.info("continuing run %s in %s", run_id, root)
     else:
         check_runnable(cfg)
         create_run(cfg, run_id, weights=model_family(cfg.model).weights_fingerprint(cfg.model))
         logger.info("created run %s in %s", run_id, root)
-    return campaign(str(root), run_id)
+    return run_campaign(str(root), run_id)

@@ -5,25 +5,34 @@ and skips a stage whose committed manifest matches its inputs hash: the cache ke
 stage, inputs hash), kept in the run store, not in the Prefect database, so a campaign run again after a
 crash resumes at the first stage without a manifest. Prefect's own result cache is off (``NO_CACHE``) so the
 manifest is the one source of truth. Prefect runs on its embedded server unless ``PREFECT_API_URL`` is set.
+
+Nesting: the campaign's flow run (``sol-rl-campaign``, or the deployment's ``sol-rl``) holds the starting
+policy's evaluation as tasks and one subflow run per iteration (``<run id>-iter<N>``) whose task runs are the
+stages. A campaign run again (the UI's Retry, ``solrl resume``) enters no flow or task run for what is
+committed before its first pending stage: it logs what it skipped, catches MLflow up, and marks what a dead
+attempt left running as Crashed (``solrl.flows.cockpit``).
 """
 
 from __future__ import annotations
 
-from prefect import flow, get_run_logger, task
+from pathlib import Path
+
+from prefect import flow, get_run_logger, tags, task
 from prefect.cache_policies import NO_CACHE
 from prefect.exceptions import TerminationSignal
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
+from solrl.flows import cockpit
 from solrl.flows.progress import current as current_progress
 from solrl.flows.progress import start as start_progress
 from solrl.flows.runners import shard_submit_options, shard_task_runner
 from solrl.stages.context import StageContext
-from solrl.stages.pipeline import ITERATION, STAGES, campaign_plan, run_shard, run_stage, stage_shards
+from solrl.stages.pipeline import ITERATION, STAGES, campaign_plan, first_pending, run_shard, run_stage, stage_shards
 from solrl.stages.runnable import check_runnable
 from solrl.stages.sharding import Shard
 from solrl.storage.html_report import write_report
-from solrl.storage.runs import open_run, run_lock
-from solrl.storage.stage import stage_dir
+from solrl.storage.runs import Run, open_run, run_lock
+from solrl.storage.stage import read_manifest, stage_dir
 from solrl.storage.tracking import Tracker
 
 #: Logged to MLflow per iteration, by stage: (file or folder in the stage folder, artifact folder).
@@ -32,6 +41,8 @@ _ARTIFACTS = {
     "evaluate": ("samples.png", "eval_samples"),
     "checkpoint": (".", "checkpoints"),
 }
+#: The run store's copy of the HTML report (rewritten every ``tracking.report_every`` iterations and at the end).
+REPORT_DIR = "report"
 
 
 @task(task_run_name="{stage}[{iteration}]", cache_policy=NO_CACHE, persist_result=False, retry_delay_seconds=2)
@@ -86,12 +97,43 @@ def _tracker(run) -> Tracker:
     return _TRACKERS[key]
 
 
+def _log_stage(tracker: Tracker, iteration: int, stage: str, manifest: dict, skipped: bool) -> None:
+    """Log a stage's artifacts and metrics to MLflow unless they already are: a process killed between the
+    stage's commit and its logging is caught up on resume. ``seconds/<stage>``, logged in the last batch after
+    the artifacts, marks the stage as logged."""
+    timing = f"seconds/{stage}"
+    if skipped and tracker.has_metric(timing, iteration):
+        return
+    if stage in _ARTIFACTS:
+        name, folder = _ARTIFACTS[stage]
+        path = stage_dir(tracker.run_dir, iteration, stage) / name
+        if path.exists():
+            tracker.log_artifact(path, f"{folder}/iter_{iteration:06d}")
+            if path.suffix == ".png":  # also MLflow's image view, with a step slider over the iterations
+                tracker.log_image(path, folder, iteration)
+    tracker.log_metrics({**manifest["metrics"], timing: manifest["seconds"]}, step=iteration)
+
+
+def _catch_up(run: Run, iteration: int, stages: list[str], tracker: Tracker) -> dict[str, float]:
+    """Stages committed before the campaign's first pending stage: no task run, only MLflow caught up and the
+    progress counted. Returns their metrics."""
+    progress = current_progress()
+    metrics: dict[str, float] = {}
+    for stage in stages:
+        manifest = read_manifest(run.run_dir, iteration, stage)
+        assert manifest is not None, f"{stage}[{iteration}] was committed a moment ago"  # first_pending says so
+        data = manifest.model_dump(mode="json")
+        _log_stage(tracker, iteration, stage, data, skipped=True)
+        if progress is not None:
+            progress.stage_done(iteration, stage, manifest.seconds, True, manifest.metrics)
+        metrics |= manifest.metrics
+    return metrics
+
+
 def _run_and_track(
     store: str, run_id: str, iteration: int, stage: str, tracker: Tracker, retries: int, parallel: bool = False
 ) -> dict:
-    """Run (or skip) a stage, then log its artifacts and metrics to MLflow unless they already are: a process
-    killed between the stage's commit and its logging is caught up on resume. ``seconds/<stage>``, logged in
-    the last batch after the artifacts, marks the stage as logged."""
+    """Run (or skip) a stage as a task run, then log it to MLflow (``_log_stage``)."""
     progress = current_progress()
     if progress is not None:
         progress.stage_started(iteration, stage)
@@ -110,45 +152,70 @@ def _run_and_track(
     manifest = result["manifest"]
     if progress is not None:
         progress.stage_done(iteration, stage, manifest["seconds"], result["skipped"], manifest["metrics"])
-    timing = f"seconds/{stage}"
-    if not result["skipped"] or not tracker.has_metric(timing, iteration):
-        if stage in _ARTIFACTS:
-            name, folder = _ARTIFACTS[stage]
-            path = stage_dir(tracker.run_dir, iteration, stage) / name
-            if path.exists():
-                tracker.log_artifact(path, f"{folder}/iter_{iteration:06d}")
-        tracker.log_metrics({**manifest["metrics"], timing: manifest["seconds"]}, step=iteration)
+    _log_stage(tracker, iteration, stage, manifest, result["skipped"])
     return result
+
+
+def _report(run: Run, iteration: int | None) -> Path | None:
+    """Rewrite the run store's HTML report (``<run>/report/``) when ``iteration`` is due for it
+    (``tracking.report_every``) or the campaign ended (``iteration`` None); returns the page when written."""
+    every = run.config.tracking.report_every
+    if iteration is not None and (not every or iteration % every):
+        return None
+    folder = run.run_dir / REPORT_DIR
+    paths = write_report(run, [s.name for s in ITERATION], campaign_plan(run.config), folder)
+    return paths[0]
 
 
 @flow(name="sol-rl-iteration", flow_run_name="{run_id}-iter{iteration}")
 def sol_rl_iteration(
-    store: str, run_id: str, iteration: int, stages: list[str], parallel_shards: bool = False
+    store: str, run_id: str, iteration: int, stages: list[str], parallel_shards: bool = False, committed: int = 0
 ) -> dict[str, float]:
     """One Sol-RL iteration: its due ``stages`` in order (explore -> score -> select -> regenerate -> score ->
     [audit] -> update -> checkpoint -> [evaluate]); with ``parallel_shards``, a sharded stage's shards are
-    submitted at once to the flow's task runner (``flows.runners``).
+    submitted at once to the flow's task runner (``flows.runners``). The first ``committed`` stages were committed
+    by an earlier attempt: they get no task run. Publishes the iteration's rankings, summary and (when due) the
+    report link as Prefect artifacts.
 
     Returns the metrics of the stages (skipped stages contribute their recorded metrics too).
     """
     run = open_run(store, run_id)
     tracker = _tracker(run)
     retries = run.config.campaign.stage_retries
-    metrics: dict[str, float] = {}
-    for stage in stages:
+    logger = get_run_logger()
+    if committed:
+        logger.info(
+            "iteration %d: %s committed by an earlier attempt (their manifests match their inputs): not run again",
+            iteration,
+            ", ".join(stages[:committed]),
+        )
+    metrics = _catch_up(run, iteration, stages[:committed], tracker)
+    for stage in stages[committed:]:
         result = _run_and_track(store, run_id, iteration, stage, tracker, retries, parallel_shards)
         metrics.update(result["manifest"]["metrics"])
+    report = _report(run, iteration) if iteration < run.config.campaign.iterations else None
+    cockpit.publish_iteration(run.run_dir, run_id, iteration, stages, logger, report=report)
     return metrics
 
 
-def _log_report(run, tracker: Tracker) -> None:
-    """The HTML report page and its figures to MLflow (``report/``), as ``solrl report --html`` writes them."""
-    import tempfile
-    from pathlib import Path
+def _log_report(run, tracker: Tracker, logger) -> None:
+    """The HTML report page and its figures into the run store (``<run>/report/``) and to MLflow
+    (``report/``), as ``solrl report --html`` writes them; its link as the campaign's report artifact."""
+    page = _report(run, None)
+    assert page is not None
+    for path in sorted(page.parent.iterdir()):
+        tracker.log_artifact(path, "report")
+    try:
+        from prefect.artifacts import create_link_artifact
 
-    with tempfile.TemporaryDirectory(prefix="solrl-report-") as tmp:
-        for path in write_report(run, [s.name for s in ITERATION], campaign_plan(run.config), Path(tmp)):
-            tracker.log_artifact(path, "report")
+        create_link_artifact(
+            page.resolve().as_uri(),
+            link_text=f"{run.run_id} report",
+            key=cockpit.artifact_key(run.run_id, "report"),
+            description=f"The HTML report of {run.run_id}, the campaign finished",
+        )
+    except Exception as exc:  # noqa: BLE001 - bookkeeping only
+        logger.warning("could not publish the report link (%s: %s)", exc.__class__.__name__, exc)
 
 
 def _mark_stopped(tracker: Tracker, status: str, logger) -> None:
@@ -161,32 +228,86 @@ def _mark_stopped(tracker: Tracker, status: str, logger) -> None:
         logger.warning("could not mark the MLflow run %s (%s: %s)", status, exc.__class__.__name__, exc)
 
 
-@flow(name="sol-rl-campaign", flow_run_name="{run_id}")
-def campaign(store: str, run_id: str) -> dict[str, float]:
-    """All iterations of a run, after evaluating the starting policy (iteration 0), in the order of
-    ``campaign_plan``. Resumable: run it again and committed stages are skipped. Checks first that this machine
-    can run the config (``check_runnable``: ConfigError otherwise), and holds the run's lock so two processes
-    never write one run."""
+def _skipped_line(plan: list[tuple[int, list[str]]], pending: tuple[int, str] | None) -> str | None:
+    """solrl's own words for what a continued campaign does not recompute (None for a fresh campaign)."""
+    done = []
+    for iteration, stages in plan:
+        before = stages if pending is None or iteration < pending[0] else []
+        if pending is not None and iteration == pending[0]:
+            before = stages[: stages.index(pending[1])]
+        done += [(iteration, s) for s in before]
+    if not done:
+        return None
+    full = [i for i, stages in plan if all((i, s) in done for s in stages)]
+    where = "the whole campaign is committed" if pending is None else f"continuing at {pending[1]}[{pending[0]}]"
+    return (
+        f"{len(done)} committed stages are kept and not recomputed (iterations fully committed: "
+        f"{_ranges(full) or 'none'}); solrl trusts the run store's manifests, not Prefect's results, so what Prefect's "
+        f"Retry dialog says of task runs without a persisted result does not apply; {where}"
+    )
+
+
+def _ranges(values: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    spans: list[list[int]] = []
+    for v in values:
+        if spans and v == spans[-1][1] + 1:
+            spans[-1][1] = v
+        else:
+            spans.append([v, v])
+    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in spans)
+
+
+def campaign_name(run: Run) -> str:
+    """The name of a campaign's flow run: the run id, and the preset when the id does not start with it."""
+    return run.run_id if run.run_id.startswith(run.config.name) else f"{run.run_id} ({run.config.name})"
+
+
+def _campaign_flow_run_name() -> str:
+    from prefect.runtime import flow_run
+
+    parameters = flow_run.parameters
+    return campaign_name(open_run(parameters["store"], parameters["run_id"]))
+
+
+def run_campaign(store: str, run_id: str) -> dict[str, float]:
+    """The body of a campaign, inside the current flow run (``campaign``, or the deployment's ``sol-rl``): all
+    iterations of a run, after evaluating the starting policy (iteration 0), in the order of ``campaign_plan``.
+    Resumable: run it again and committed stages are skipped. Checks first that this machine can run the config
+    (``check_runnable``: ConfigError otherwise), and holds the run's lock so two processes never write one run."""
     run = open_run(store, run_id)
     check_runnable(run.config, run.prompts_sha256, run.weights)
     logger = get_run_logger()
     for warning in run.config.warnings():
         logger.warning(warning)
-    (_, start), *iterations = campaign_plan(run.config)
-    with run_lock(run.run_dir), shard_task_runner(run.config) as runner:
+    plan = campaign_plan(run.config)
+    (_, start), *iterations = plan
+    with run_lock(run.run_dir), tags(cockpit.run_tag(run_id)), shard_task_runner(run.config) as runner:
+        cockpit.tag_flow_run([cockpit.run_tag(run_id), f"{cockpit.PRESET_TAG}{run.config.name}"], logger)
+        cockpit.clear_dead_attempt(run_id, logger)
+        pending = first_pending(StageContext(run.config, run.run_dir, run_id, 0, run.config_hash))
+        if (line := _skipped_line(plan, pending)) is not None:
+            logger.info(line)
         iteration_flow = sol_rl_iteration if runner is None else sol_rl_iteration.with_options(task_runner=runner)
         tracker = _tracker(run)
         metrics: dict[str, float] = {}
-        progress = start_progress(campaign_plan(run.config))
+        progress = start_progress(plan)
         try:
-            for stage in start:
+            committed = _committed_count(0, start, pending)
+            metrics |= _catch_up(run, 0, start[:committed], tracker)
+            for stage in start[committed:]:
                 result = _run_and_track(store, run_id, 0, stage, tracker, run.config.campaign.stage_retries)
                 metrics |= result["manifest"]["metrics"]
             for iteration, stages in iterations:
+                committed = _committed_count(iteration, stages, pending)
+                if committed == len(stages):
+                    metrics = _catch_up(run, iteration, stages, tracker)
+                    cockpit.reserve_subflow_key(sol_rl_iteration)
+                    continue
                 # No heartbeat thread per iteration subflow: the campaign's own heartbeat already tells the server
                 # this process lives, and each subflow's thread cost up to 1 s to join at its end.
                 with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
-                    metrics = iteration_flow(store, run_id, iteration, stages, runner is not None)
+                    metrics = iteration_flow(store, run_id, iteration, stages, runner is not None, committed)
                 logger.info(progress.summary(iteration))
         except (KeyboardInterrupt, TerminationSignal):  # Ctrl-C; SIGTERM (Prefect raises its TerminationSignal)
             _mark_stopped(tracker, "KILLED", logger)
@@ -196,6 +317,21 @@ def campaign(store: str, run_id: str) -> dict[str, float]:
             raise
         finally:
             progress.close()
-        _log_report(run, tracker)
+        _log_report(run, tracker, logger)
         tracker.finish()
     return metrics
+
+
+def _committed_count(iteration: int, stages: list[str], pending: tuple[int, str] | None) -> int:
+    """How many of ``iteration``'s leading ``stages`` come before the campaign's first pending stage."""
+    if pending is None or iteration < pending[0]:
+        return len(stages)
+    if iteration > pending[0]:
+        return 0
+    return stages.index(pending[1])
+
+
+@flow(name="sol-rl-campaign", flow_run_name=_campaign_flow_run_name)
+def campaign(store: str, run_id: str) -> dict[str, float]:
+    """A Sol-RL campaign: ``run_campaign`` as its own flow run, named after the run (``campaign_name``)."""
+    return run_campaign(store, run_id)

@@ -15,6 +15,7 @@ the config, never stored in it.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 from importlib import resources
@@ -227,6 +228,12 @@ class TrackingConfig(_Section):
     mlflow_uri: str | None = Field(None, description="MLflow tracking URI; null = sqlite file in the run store.")
     experiment: str = "solrl"
     grid_prompts: int = Field(4, ge=0, description="Prompts shown in the per-iteration best/worst image grid.")
+    report_every: int = Field(
+        5,
+        ge=0,
+        description="Rewrite the run store's HTML report (<run>/report/) every N iterations and link it from the "
+        "Prefect UI; 0 = only when the campaign ends. About 2 s per report for tiny-digits on 2 cores.",
+    )
 
 
 class CampaignConfig(_Section):
@@ -421,6 +428,7 @@ LAYOUT_FIELDS = (
     ("campaign", "task_runner"),
     ("campaign", "task_runner_address"),
     ("train", "nproc_per_node"),
+    ("tracking", "report_every"),
 )
 
 
@@ -537,6 +545,28 @@ def load_config(
         _apply_override(data, keys, value, item)
     data["base_dir"] = str(path.resolve().parent)
     return validate_config(data, plugins=plugins)
+
+
+def changed_by(cfg: RunConfig, overrides: list[str]) -> list[str]:
+    """The ``section.key=value`` overrides that would change ``cfg``, each applied alone (``storage.root`` compared
+    as a resolved path): what a continued run, which keeps its stored config, really ignores.
+
+    Raises:
+        ConfigError: a malformed override, or one that makes the config invalid.
+    """
+    current = cfg.model_dump(mode="json")
+    changed = []
+    for item in overrides:
+        keys, value = _parse_override(item)
+        data = copy.deepcopy(current)
+        _apply_override(data, keys, value, item)
+        if keys == ["storage", "root"]:
+            same = Path(str(value)).expanduser().resolve() == Path(cfg.storage.root).expanduser().resolve()
+        else:
+            same = validate_config(data, plugins=False).model_dump(mode="json") == current
+        if not same:
+            changed.append(item)
+    return changed
 
 
 def validate_config(data: dict[str, Any], *, plugins: bool = True) -> RunConfig:

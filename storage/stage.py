@@ -33,7 +33,10 @@ MANIFEST = "_MANIFEST.json"
 #: has written its first file into its temporary folder), ``renamed`` (the folder is in place, its manifest not
 #: yet written) or ``committed`` (the manifest is written, the next stage not begun). A ``:raise`` suffix raises
 #: ``RuntimeError`` there instead: a failure the process survives (a failed Prefect flow run, for retry tests).
+#: With ``SOLRL_FAULT_ONCE=<path>`` as well, the fault fires only while ``<path>`` does not exist, and creates
+#: it first (a worker that serves the retry too, with the same environment).
 FAULT_ENV = "SOLRL_FAULT"
+FAULT_ONCE_ENV = "SOLRL_FAULT_ONCE"
 FAULT_POINTS = ("write", "renamed", "committed")
 _committing: tuple[int, str] | None = None
 
@@ -45,6 +48,13 @@ def fault_point(point: str) -> None:
     if not spec or _committing is None:
         return
     here = f"{_committing[0]}:{_committing[1]}:{point}"
+    if spec not in (here, f"{here}:raise"):
+        return
+    if once := os.environ.get(FAULT_ONCE_ENV):
+        try:
+            os.close(os.open(once, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return
     if spec == here:
         os.kill(os.getpid(), signal.SIGKILL)
     if spec == f"{here}:raise":

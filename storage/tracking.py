@@ -25,6 +25,19 @@ from solrl.storage.stage import write_json_atomic
 
 TRACKING_FILE = "tracking.json"
 
+#: MLflow 3 files an experiment as GenAI (traces, "Evaluation runs", an assistant panel) or as model training
+#: by its ``mlflow.experimentKind`` tag; solrl's runs are model training.
+EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}
+
+#: The query that opens the MLflow UI (3.x) in its model-training view whatever view it last showed.
+UI_VIEW = "workflowType=machine_learning"
+
+
+def experiment_url(server: str, experiment_id: str) -> str:
+    """The MLflow UI page of an experiment's runs, in the model-training view; ``server`` e.g.
+    ``http://127.0.0.1:5000``."""
+    return f"{server.rstrip('/')}/#/experiments/{experiment_id}/runs?{UI_VIEW}"
+
 
 def tracking_uri(cfg: RunConfig, store: Path) -> str:
     """The MLflow tracking URI: the config's, then ``MLFLOW_TRACKING_URI``, then a sqlite file in ``store`` (the
@@ -114,9 +127,14 @@ class Tracker:
             experiment = client.get_experiment_by_name(cfg.tracking.experiment)
             if experiment is None:
                 artifacts = (root / "mlartifacts").as_uri() if self.uri.startswith("sqlite:") else None
-                experiment_id = client.create_experiment(cfg.tracking.experiment, artifact_location=artifacts)
+                experiment_id = client.create_experiment(
+                    cfg.tracking.experiment, artifact_location=artifacts, tags=EXPERIMENT_TAGS
+                )
             else:
                 experiment_id = experiment.experiment_id
+                for key, value in EXPERIMENT_TAGS.items():  # an experiment made before solrl set them
+                    if experiment.tags.get(key) != value:
+                        client.set_experiment_tag(experiment_id, key, value)
         state_file = run_dir / TRACKING_FILE
         stored = json.loads(state_file.read_text()) if state_file.exists() else {}
         if stored.get("mlflow_run_id") and stored.get("tracking_uri") == self.uri:
@@ -173,6 +191,13 @@ class Tracker:
             self.client.log_artifacts(self.mlflow_run_id, str(path), artifact_path)
         else:
             self.client.log_artifact(self.mlflow_run_id, str(path), artifact_path)
+
+    def log_image(self, path: Path, key: str, step: int) -> None:
+        """Log a PNG under MLflow's image view (``key``, one image per ``step``, with a step slider)."""
+        from PIL import Image
+
+        with Image.open(path) as image:
+            self.client.log_image(self.mlflow_run_id, image.convert("RGB"), key=key, step=step)
 
     def finish(self, status: str = "FINISHED") -> None:
         self.client.set_terminated(self.mlflow_run_id, status=status)

@@ -107,8 +107,9 @@ def test_sigkill_mid_iteration_then_resume_completes_and_skips_committed_stages(
     )
     assert result.returncode == 0, result.stderr[-3000:]
     log = result.stdout + result.stderr
-    for stage in done_before:
-        assert f"iteration 1 {stage}: committed manifest matches inputs" in log
+    kept = [s.name for s in ITERATION if s.name in done_before]
+    assert f"iteration 1: {', '.join(kept)} committed by an earlier attempt" in log  # no task run for them
+    assert "committed stages are kept and not recomputed" in log and "continuing at " in log
     _committed(run_dir, 2)
     leftovers = [p for p in run_dir.rglob(".*") if ".tmp-" in p.name or ".trash-" in p.name]
     assert leftovers == []
