@@ -121,18 +121,28 @@ def _launch(store: str, run_id: str) -> None:
 
 
 def _report(store: str, run_id: str) -> None:
+    import json
+
     from solrl.storage.runs import open_run
-    from solrl.storage.tracking import tracking_uri
+    from solrl.storage.tracking import TRACKING_FILE, experiment_url, tracking_uri
 
     run = open_run(store, run_id)
     uri = tracking_uri(run.config, run.run_dir.parent)
+    try:
+        experiment = json.loads((run.run_dir / TRACKING_FILE).read_text())["experiment_id"]
+    except (OSError, ValueError, KeyError):
+        experiment = "0"
     prefect_home = os.environ.get("PREFECT_HOME", "~/.prefect")
+    # One server process and no GenAI job workers (MLflow's default starts about ten processes).
+    mlflow_ui = f"MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false mlflow ui --workers 1 --backend-store-uri {uri}"
     typer.echo(
         f"\nrun {run_id} finished; results in {run.run_dir}\n"
         f"  per-iteration stages: {run.run_dir}/iter_*/<stage>/ (Zarr pools, Parquet tables, checkpoint)\n"
+        f"  report:     {run.run_dir / 'report' / 'report.html'}\n"
         f"  table:      solrl report {run_id} --store {run.run_dir.parent}\n"
         f"  LoRA:       solrl export {run_id} --store {run.run_dir.parent} --out <folder>\n"
-        f"  MLflow UI:  mlflow ui --backend-store-uri {uri}\n"
+        f"  MLflow UI:  {mlflow_ui}\n"
+        f"              (then {experiment_url('http://127.0.0.1:5000', experiment)})\n"
         f"  Prefect UI: PREFECT_HOME={prefect_home} prefect server start   (then http://127.0.0.1:4200)"
     )
 

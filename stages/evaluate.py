@@ -106,7 +106,10 @@ def _summary(ctx: StageContext, out: Path, drawn: EvalSamples, table: EvalMetric
     """The grid picture, the metrics (each reward's mean over prompts of the per-prompt means, diversity, grid
     energy) and the reward-hacking warnings of a whole evaluation."""
     prompts, grid = drawn.prompts, drawn.images
-    save_grid(grid, out / GRID, row_labels=prompts)
+    first = eval_rewards(ctx)[0]  # a trained reward: each row says its mean over the row's seeds
+    row_means = table.frame[table.frame["reward"] == first].groupby("prompt", sort=False)["mean"].first()
+    labels = [f"{p}  ({first} {row_means[p]:.3f})" if p in row_means else p for p in prompts]
+    save_grid(grid, out / GRID, row_labels=labels)
     means = table.frame.groupby("reward", sort=False)["mean"]
     metrics = {f"eval/{name}": float(values.to_numpy(np.float64).mean()) for name, values in means}
     metrics["eval/diversity"] = pairwise_diversity(grid)

@@ -54,6 +54,7 @@ def select(ctx: StageContext, out: Path, pool: CandidatePool, scores: ExploreRew
             out / GRID,
             row_labels=pool.prompts[:shown],
             column_labels=["best"] + [""] * (cfg.k // 2 - 1) + ["worst"] if best_worst else (),
+            scores=rewards[rows[:shown], index[:shown]],
             split=cfg.k // 2 if best_worst else None,
         )
     kept = rewards[rows, index]

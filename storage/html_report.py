@@ -7,7 +7,8 @@ grid and the latest evaluation samples; then the config. A run that died mid-ite
 lists the stages not committed. The campaign flow logs the same figures to MLflow (``report/``).
 
 A small script in the page records, once loaded, how many of its figures decoded
-(``<body data-figures-rendered="N" data-figures="M">``), so a headless browser can check the page.
+(``<body data-figures-rendered="N" data-figures="M">``) and where each one landed (``data-geometry``: a JSON
+list of rectangles in CSS pixels), so a headless browser can check the page and its layout.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from solrl.storage.stage import read_manifest, stage_dir
 CURVES = (
     ("Training reward", ("explore/reward_mean", "regenerate/reward_mean", "regenerate/reward_max")),
     ("Evaluation rewards (held-out prompts, fixed seeds)", ("eval/",)),
-    ("Proxy fidelity (explore vs BF16 ranking)", ("fidelity/", "audit/")),
+    ("Proxy fidelity (explore vs BF16 ranking of the kept seeds)", ("fidelity/",)),
+    ("Full-pool audits (whole pools regenerated in BF16)", ("audit/",)),
     ("Guards: sample diversity and grid-artifact energy", ("eval/diversity", "eval/grid_energy")),
 )
 _GUARDS = ("eval/diversity", "eval/grid_energy")
@@ -49,8 +51,29 @@ def _png(fig) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
+#: Charts per row of a section's grid, and the figure width in inches (at 100 dpi: 1200 px, the page's width).
+_COLUMNS, _WIDTH = 3, 12.0
+
+
+def _axes_style(ax, title: str, iterations: pd.Series) -> None:
+    """Integer iteration ticks over the run's whole range (a measure logged once still sits on its iteration),
+    plain tick labels (no offset such as ``1e-5 + 9.999e-1``), a light grid."""
+    from matplotlib.ticker import MaxNLocator, ScalarFormatter
+
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("iteration")
+    ax.set_xlim(float(iterations.min()) - 0.5, float(iterations.max()) + 0.5)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    formatter = ScalarFormatter(useOffset=False)
+    formatter.set_scientific(False)
+    ax.yaxis.set_major_formatter(formatter)
+    ax.grid(alpha=0.3)
+
+
 def curve_figures(frame: pd.DataFrame) -> list[tuple[str, str]]:
-    """``(title, base64 PNG)`` of each curve figure that has data, and the stage-time split."""
+    """``(title, base64 PNG)`` of each curve figure that has data, and the stage-time split.
+
+    Each figure is a labelled grid of one chart per measure, ``_COLUMNS`` to a row, 1200 px wide."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -64,29 +87,41 @@ def curve_figures(frame: pd.DataFrame) -> list[tuple[str, str]]:
         columns = [c for c in columns if frame[c].notna().any()]
         if not columns:
             continue
-        fig, axes = plt.subplots(1, len(columns), figsize=(3.6 * len(columns), 2.8), squeeze=False)
-        for ax, column in zip(axes[0], columns):
+        rows = -(-len(columns) // _COLUMNS)
+        fig, axes = plt.subplots(rows, _COLUMNS, figsize=(_WIDTH, 3.0 * rows), squeeze=False, layout="constrained")
+        for ax, column in zip(axes.flat, columns):
             data = frame[["iteration", column]].dropna()
             ax.plot(data["iteration"], data[column], marker="o", ms=3)
-            ax.set_title(column, fontsize=9)
-            ax.set_xlabel("iteration")
-            ax.grid(alpha=0.3)
-        fig.tight_layout()
+            _axes_style(ax, column, frame["iteration"])
+        for ax in list(axes.flat)[len(columns) :]:
+            ax.set_visible(False)
         figures.append((title, _png(fig)))
         plt.close(fig)
     seconds = frame.filter(like="seconds/").fillna(0)
     if not seconds.empty:
-        fig, ax = plt.subplots(figsize=(9, 3.2))
+        fig, ax = plt.subplots(figsize=(_WIDTH, 3.6), layout="constrained")
         bottom = None
         for column in seconds.columns:
             ax.bar(frame["iteration"], seconds[column], bottom=bottom, label=column.removeprefix("seconds/"))
             bottom = seconds[column] if bottom is None else bottom + seconds[column]
-        ax.set(xlabel="iteration", ylabel="seconds", title="seconds per stage")
-        ax.legend(fontsize=7, ncol=5)
-        fig.tight_layout()
+        _axes_style(ax, "seconds per stage", frame["iteration"])
+        ax.set_ylabel("seconds")
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)  # outside the bars
         figures.append(("Stage-time split", _png(fig)))
         plt.close(fig)
     return figures
+
+
+#: The page's style: charts at the page's width; image grids at their pixel size or scaled up crisply, two a row.
+_CSS = (
+    "body{font-family:sans-serif;margin:1.5em auto;max-width:1240px;padding:0 1em}"
+    "img{display:block;margin:.5em 0}img.chart{width:100%;height:auto}"
+    "img.grid{max-width:100%;min-width:300px;image-rendering:pixelated}"
+    ".grids,.pair{display:grid;grid-template-columns:repeat(auto-fit,minmax(420px,1fr));gap:1em}"
+    "figure{margin:0;min-width:0}figcaption{font-weight:bold;margin:.3em 0}"
+    "pre{background:#f5f5f5;padding:1em;overflow:auto}table{border-collapse:collapse}"
+    "td,th{border:1px solid #ccc;padding:2px 6px;font-size:90%}"
+)
 
 
 def _image(path: Path) -> str | None:
@@ -107,9 +142,7 @@ def render_html(
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'>",
         f"<title>solrl run {html.escape(run.run_id)}</title>",
-        "<style>body{font-family:sans-serif;margin:2em;max-width:1200px}img{max-width:100%;display:block;"
-        "margin:.5em 0}pre{background:#f5f5f5;padding:1em;overflow:auto}table{border-collapse:collapse}"
-        "td,th{border:1px solid #ccc;padding:2px 6px;font-size:90%}</style></head><body>",
+        f"<style>{_CSS}</style></head><body>",
         f"<h1>solrl run {html.escape(run.run_id)}</h1>",
         f"<p>{html.escape(run.config.name)}: model {html.escape(run.config.model.family)}, explore "
         f"{html.escape(run.config.explore.precision)} pool {run.config.explore.pool_size} -> keep "
@@ -134,7 +167,8 @@ def render_html(
     else:
         for title, png in figures:
             parts.append(
-                f"<h2>{html.escape(title)}</h2><img alt='{html.escape(title)}' src='data:image/png;base64,{png}'>"
+                f"<h2>{html.escape(title)}</h2>"
+                f"<img class='chart' alt='{html.escape(title)}' src='data:image/png;base64,{png}'>"
             )
     grids, failed = [], []
     for i, _ in plan:  # an image is embedded only when its stage's checksums hold
@@ -145,20 +179,28 @@ def render_html(
             failed.append(f"iteration {i}: select")
         elif png is not None:
             grids.append(
-                f"<h3>iteration {i}</h3><img alt='best and worst, iteration {i}' src='data:image/png;base64,{png}'>"
+                f"<figure><figcaption>iteration {i}</figcaption><img class='grid' "
+                f"alt='best and worst, iteration {i}' src='data:image/png;base64,{png}'></figure>"
             )
     if grids:
-        parts.append("<h2>Best (left) and worst kept candidates per iteration</h2>" + "".join(grids))
+        parts.append(
+            "<h2>Best (left) and worst kept candidates per iteration</h2><p>Explore reward under each image; the "
+            "red rule parts the kept best from the kept worst.</p><div class='grids'>" + "".join(grids) + "</div>"
+        )
     evaluated = [i for i, _ in plan if read_manifest(run.run_dir, i, "evaluate") is not None]
+    shown = []
     for i in dict.fromkeys([evaluated[0], evaluated[-1]] if evaluated else []):
         png = _image(stage_dir(run.run_dir, i, "evaluate") / "samples.png")
         if read_manifest(run.run_dir, i, "evaluate", verify=True) is None:
             failed.append(f"iteration {i}: evaluate")
         elif png is not None:
             label = "starting policy" if i == 0 else f"iteration {i}"
-            parts.append(
-                f"<h2>Evaluation samples, {label}</h2><img alt='evaluation, {label}' src='data:image/png;base64,{png}'>"
+            shown.append(
+                f"<figure><figcaption>Evaluation samples, {label}</figcaption><img class='grid' "
+                f"alt='evaluation, {label}' src='data:image/png;base64,{png}'></figure>"
             )
+    if shown:  # the starting and the latest policy side by side, same prompts and seeds in the same places
+        parts.append("<h2>Evaluation samples</h2><div class='pair'>" + "".join(shown) + "</div>")
     if failed:
         parts.append(
             "<p><b>Not shown, failing verification</b> (a file changed since it was committed; <code>solrl resume "
@@ -169,7 +211,10 @@ def render_html(
     parts.append(
         "<script>window.addEventListener('load',()=>{const i=[...document.images];"
         "document.body.dataset.figures=i.length;"
-        "document.body.dataset.figuresRendered=i.filter(x=>x.complete&&x.naturalWidth>0).length;});</script>"
+        "document.body.dataset.figuresRendered=i.filter(x=>x.complete&&x.naturalWidth>0).length;"
+        "document.body.dataset.geometry=JSON.stringify(i.map(x=>{const r=x.getBoundingClientRect();"
+        "return {alt:x.alt,left:r.left,top:r.top+scrollY,width:r.width,height:r.height,natural:x.naturalWidth};}));"
+        "document.body.dataset.window=innerWidth;});</script>"
     )
     parts.append("</body></html>")
     return "\n".join(parts)

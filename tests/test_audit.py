@@ -164,14 +164,13 @@ def test_the_readme_audit_snippet_runs_on_a_finished_run(finished: Path, monkeyp
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
-def rendered_figures(page: Path) -> tuple[int, int]:
-    """(figures, figures rendered) of a report page loaded in headless Chromium (Debian's package)."""
-    import re
+def _chromium(page: Path, *args: str, width: int = 1400, height: int = 1000) -> str:
+    """Headless Chromium (Debian's package) on ``page`` in a ``width`` x ``height`` px window; its stdout."""
     import subprocess
     import tempfile
 
     with tempfile.TemporaryDirectory() as profile:
-        dom = subprocess.run(
+        return subprocess.run(
             [
                 CHROMIUM,
                 "--headless",
@@ -182,18 +181,33 @@ def rendered_figures(page: Path) -> tuple[int, int]:
                 "--disable-component-update",
                 "--disable-sync",
                 f"--user-data-dir={profile}",
+                f"--window-size={width},{height}",
+                "--hide-scrollbars",
                 "--virtual-time-budget=5000",
-                "--dump-dom",
+                *args,
                 page.as_uri(),
             ],
             capture_output=True,
             text=True,
             timeout=120,
         ).stdout
+
+
+def rendered_figures(page: Path) -> tuple[int, int, list[dict], int]:
+    """(figures, figures rendered, each figure's rectangle, window width) of a report page loaded in headless
+    Chromium at a 1400 px window."""
+    import html as html_lib
+    import json
+    import re
+
+    dom = _chromium(page, "--dump-dom")
     total = re.search(r'data-figures="(\d+)"', dom)
     done = re.search(r'data-figures-rendered="(\d+)"', dom)
-    assert total and done, dom[:2000]
-    return int(total.group(1)), int(done.group(1))
+    geometry = re.search(r'data-geometry="([^"]*)"', dom)
+    window = re.search(r'data-window="(\d+)"', dom)
+    assert total and done and geometry and window, dom[:2000]
+    rects = json.loads(html_lib.unescape(geometry.group(1)))
+    return int(total.group(1)), int(done.group(1)), rects, int(window.group(1))
 
 
 def test_report_html_is_one_self_contained_page_with_every_figure(finished: Path, tmp_path: Path):
@@ -213,11 +227,26 @@ def test_report_html_is_one_self_contained_page_with_every_figure(finished: Path
     ):
         assert title in text, title
     assert "src='http" not in text and 'src="http' not in text  # nothing fetched: self-contained
-    assert text.count("data:image/png;base64,") == 5 + 2 + 2  # curves and split, 2 grids, 2 evaluations
+    assert text.count("data:image/png;base64,") == 6 + 2 + 2  # curves and split, 2 grids, 2 evaluations
     assert "Not committed yet" not in text
     if CHROMIUM is None:
         pytest.skip("Debian's chromium is not installed (.ci/run installs it)")
-    assert rendered_figures(page) == (9, 9)
+    total, rendered, rects, window = rendered_figures(page)
+    assert (total, rendered, window) == (10, 10, 1400)  # every image decoded, at a 1400 px window
+    for rect in rects:
+        assert rect["width"] >= 300, f"{rect['alt']} is {rect['width']:.0f} px wide at a 1400 px window"
+        assert rect["left"] >= 0 and rect["left"] + rect["width"] <= window, f"{rect['alt']} leaves the page"
+    for i, a in enumerate(rects):
+        for b in rects[i + 1 :]:
+            apart_x = a["left"] + a["width"] <= b["left"] or b["left"] + b["width"] <= a["left"]
+            apart_y = a["top"] + a["height"] <= b["top"] or b["top"] + b["height"] <= a["top"]
+            assert apart_x or apart_y, f"{a['alt']} overlaps {b['alt']}"
+    charts = [r for r in rects if r["alt"] in ("Training reward", "Stage-time split")]
+    assert all(r["width"] >= 1000 for r in charts), charts  # the charts use the page's width
+    starting, final = (r for r in rects if r["alt"].startswith("evaluation, "))
+    assert abs(starting["top"] - final["top"]) < 1 and starting["left"] < final["left"]  # side by side
+    _chromium(page, f"--screenshot={tmp_path / 'report-1400px.png'}", height=4200)
+    assert (tmp_path / "report-1400px.png").stat().st_size > 10_000  # left for a look: the test's tmp_path
 
 
 def test_report_html_of_a_run_that_died_mid_iteration_says_what_is_missing(finished: Path, tmp_path: Path):
@@ -231,7 +260,7 @@ def test_report_html_of_a_run_that_died_mid_iteration_says_what_is_missing(finis
     assert "Not committed yet" in text and "iteration 2: update, checkpoint, evaluate" in text
     assert "solrl resume done" in text
     if CHROMIUM is not None:
-        total, rendered = rendered_figures(page)
+        total, rendered, _, _ = rendered_figures(page)
         assert total == rendered > 0
 
 

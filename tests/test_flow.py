@@ -60,6 +60,13 @@ def test_two_iteration_campaign_commits_every_stage_logs_mlflow_and_reruns_as_sk
     assert "checkpoints/iter_000002/state.json" in checkpoint and "checkpoints/iter_000002/_MANIFEST.json" in checkpoint
     assert mlflow_run.data.tags["solrl.run_id"] == "flow"
     assert mlflow_run.data.params["explore.precision"] == "nvfp4_emulated"
+    # MLflow's model-training view, not its GenAI one: the experiment kind tag, the grids in its image view,
+    # the report beside them.
+    assert client.get_experiment_by_name("solrl").tags["mlflow.experimentKind"] == "custom_model_development"
+    assert {"images", "report"} <= artifacts
+    images = {a.path.rsplit("/", 1)[-1] for a in client.list_artifacts(mlflow_run.info.run_id, "images")}
+    assert any(name.startswith("best_worst") for name in images) and any(n.startswith("eval_samples") for n in images)
+    assert (run.run_dir / "report" / "report.html").is_file()  # the run store's copy, linked from the Prefect UI
 
     campaign(str(run.run_dir.parent), run.run_id)  # everything committed: a re-run changes nothing
     assert _committed(run.run_dir, 2) == created

@@ -3,13 +3,30 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
-from PIL import Image, ImageDraw
+from PIL import Image, ImageDraw, ImageFont
 
-#: Pixels per character of PIL's built-in bitmap font (about 6 wide, 11 high).
-_CHAR_W, _LINE_H = 6, 11
+#: Pixels per character and per line of the label font (``_font``), for layout.
+_CHAR_W, _LINE_H = 7, 15
+
+
+@lru_cache(maxsize=1)
+def _font() -> ImageFont.FreeTypeFont | ImageFont.ImageFont:
+    """DejaVu Sans at 12 px (shipped with matplotlib, a dependency): PIL's default font at its small default
+    size runs words together once a browser scales the PNG down ("the digitnine")."""
+    try:
+        import matplotlib
+
+        return ImageFont.truetype(str(Path(matplotlib.get_data_path()) / "fonts" / "ttf" / "DejaVuSans.ttf"), 12)
+    except (ImportError, OSError):
+        return ImageFont.load_default(size=12)
+
+
+def _width(text: str) -> int:
+    return int(np.ceil(_font().getlength(text)))
 
 
 def save_grid(
@@ -18,6 +35,7 @@ def save_grid(
     *,
     row_labels: Sequence[str] = (),
     column_labels: Sequence[str] = (),
+    scores: np.ndarray | None = None,
     split: int | None = None,
     scale: int = 4,
     pad: int = 2,
@@ -25,24 +43,29 @@ def save_grid(
     """Save uint8 ``[rows, cols, H, W, 3]`` as one labelled PNG, each image upscaled ``scale`` x (nearest).
 
     Args:
-        row_labels: text left of each row (e.g. the prompt); column_labels: text above each column (e.g. the
-            reward); split: draw a red rule before this column (e.g. between the kept best and worst).
+        row_labels: text left of each row (e.g. the prompt); column_labels: text above each column (e.g.
+            best / worst); scores: float ``[rows, cols]`` written under each image (e.g. its reward); split: draw
+            a red rule before this column (e.g. between the kept best and worst).
     """
     rows, cols, h, w, _ = images.shape
-    hh, ww = h * scale + pad, w * scale + pad
-    left = (max((len(s) for s in row_labels), default=0) * _CHAR_W + 2 * pad) if row_labels else 0
+    font = _font()
+    below = _LINE_H if scores is not None else 0
+    hh, ww = h * scale + pad + below, max(w * scale, _width("0.000") + 2) + pad
+    left = (max((_width(s) for s in row_labels), default=0) + 3 * pad) if row_labels else 0
     top = (_LINE_H + pad) if column_labels else 0
     canvas = Image.new("RGB", (left + cols * ww + pad, top + rows * hh + pad), "white")
     draw = ImageDraw.Draw(canvas)
     for r in range(rows):
         y = top + pad + r * hh
         if r < len(row_labels):
-            draw.text((pad, y + (h * scale - _LINE_H) // 2), row_labels[r], fill="black")
+            draw.text((pad, y + (h * scale - _LINE_H) // 2), row_labels[r], fill="black", font=font)
         for c in range(cols):
             tile = Image.fromarray(images[r, c]).resize((w * scale, h * scale), Image.NEAREST)
             canvas.paste(tile, (left + pad + c * ww, y))
+            if scores is not None:
+                draw.text((left + pad + c * ww, y + h * scale), f"{scores[r, c]:.3f}", fill="dimgray", font=font)
     for c, label in enumerate(column_labels[:cols]):
-        draw.text((left + pad + c * ww, 1), label, fill="black")
+        draw.text((left + pad + c * ww, 1), label, fill="black", font=font)
     if split is not None and 0 < split < cols:
         x = left + split * ww
         draw.line([(x, top), (x, canvas.height)], fill="red", width=pad)
@@ -76,27 +99,31 @@ def save_pool_grid(
     """
     n, h, w, _ = images.shape
     border, label_h = max(2, scale), _LINE_H + 2
-    tile_w = max(w * scale + 2 * border, 11 * _CHAR_W)
+    tile_w = max(w * scale + 2 * border, _width("#100: 0.000") + 4)
     tile_h = h * scale + 2 * border + 2 * label_h
     rows = -(-n // columns)
     head = 2 * _LINE_H + 6
-    canvas = Image.new("RGB", (columns * (tile_w + 4) + 4, head + rows * (tile_h + 4) + 4), "white")
+    width = max(columns * (tile_w + 4) + 4, _width(title) + 8)
+    canvas = Image.new("RGB", (width, head + rows * (tile_h + 4) + 4), "white")
     draw = ImageDraw.Draw(canvas)
-    draw.text((4, 2), title, fill="black")
+    font = _font()
+    draw.text((4, 2), title, fill="black", font=font)
     x = 4
     for label, colour in KEPT_COLOURS.items():
         if label in kept_as:
             draw.rectangle([x, _LINE_H + 6, x + 8, _LINE_H + 14], fill=colour)
-            draw.text((x + 12, _LINE_H + 4), f"kept {label}", fill="black")
-            x += 12 + (6 + len(label)) * _CHAR_W
+            draw.text((x + 12, _LINE_H + 4), f"kept {label}", fill="black", font=font)
+            x += 20 + _width(f"kept {label}")
     for i in range(n):
         r, c = divmod(i, columns)
         x0, y0 = 4 + c * (tile_w + 4), head + r * (tile_h + 4)
-        draw.text((x0, y0), f"#{i + 1}: {rewards[i]:.3f}", fill="black")
+        draw.text((x0, y0), f"#{i + 1}: {rewards[i]:.3f}", fill="black", font=font)
         box = (x0, y0 + label_h, x0 + w * scale + 2 * border - 1, y0 + label_h + h * scale + 2 * border - 1)
         if kept_as[i] is not None:
             draw.rectangle(box, fill=KEPT_COLOURS.get(str(kept_as[i]), (0, 0, 0)))
         tile = Image.fromarray(images[i]).resize((w * scale, h * scale), Image.NEAREST)
         canvas.paste(tile, (x0 + border, y0 + label_h + border))
-        draw.text((x0, y0 + label_h + h * scale + 2 * border + 1), f"cand {int(candidates[i])}", fill="dimgray")
+        draw.text(
+            (x0, y0 + label_h + h * scale + 2 * border + 1), f"cand {int(candidates[i])}", fill="dimgray", font=font
+        )
     canvas.save(path)
