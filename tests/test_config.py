@@ -200,3 +200,19 @@ def test_a_plugin_registers_under_its_name_and_the_schema_accepts_it():
     assert "nft" in LOSSES and LOSSES.get("nft") is NFT
     with pytest.raises(ValueError, match="loss 'nft' is already registered"):
         LOSSES.register("nft")(type("Other", (NFT,), {}))
+
+
+def test_changed_by_names_only_the_overrides_that_would_change_a_stored_config(tmp_path: Path):
+    """The input of the report: a retry of a run with 3 iterations, given campaign.iterations=3 again, logged
+    ``ignored ['campaign.iterations=3']`` though nothing changed."""
+    from solrl.config import changed_by
+
+    stored = load_config("tiny-digits", ["campaign.iterations=3", f"storage.root={tmp_path}"])
+    same = ["campaign.iterations=3", "train.lr=5.0e-4", f"storage.root={tmp_path}/../{tmp_path.name}"]
+    assert changed_by(stored, same) == []
+    assert changed_by(stored, ["campaign.iterations=4", *same, "explore.pool_size=16"]) == [
+        "campaign.iterations=4",
+        "explore.pool_size=16",
+    ]
+    with pytest.raises(ConfigError):
+        changed_by(stored, ["campaign.iterations=zero"])

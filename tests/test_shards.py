@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import needs_batch_invariant_gemm, tiny_config
 from test_faults import outputs
 
 from solrl.stages.context import StageContext
@@ -77,6 +77,7 @@ def assert_same_outputs(got_dir: Path, expected_dir: Path) -> None:
         )
 
 
+@needs_batch_invariant_gemm
 @pytest.mark.slow
 def test_two_and_four_shards_give_the_one_shard_run_and_leave_no_shard_folder(tmp_path: Path):
     campaign(str(tmp_path / "one"), 1)

@@ -7,6 +7,7 @@ import pandas as pd
 import pytest
 import torch
 import zarr
+from conftest import needs_batch_invariant_gemm
 
 from solrl.stages.context import StageContext
 from solrl.stages.pipeline import ITERATION, run_stage
@@ -368,6 +369,7 @@ def test_evaluate_warns_when_grid_artifact_energy_grows_past_the_starting_policy
     assert any("grid-artifact energy" in w and "2-pixel patch period" in w for w in manifest.info["warnings"])
 
 
+@needs_batch_invariant_gemm
 @pytest.mark.parametrize("precision", ["nvfp4_emulated", "fp8_emulated"])
 def test_the_candidate_pool_does_not_depend_on_the_explore_batch_size(tmp_path, precision):
     from conftest import tiny_config
