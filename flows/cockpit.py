@@ -76,7 +76,6 @@ def clear_dead_attempt(run_id: str, logger: logging.Logger) -> int:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import (
         FlowRunFilter,
-        FlowRunFilterStateType,
         FlowRunFilterTags,
         TaskRunFilter,
         TaskRunFilterState,
@@ -101,16 +100,12 @@ def clear_dead_attempt(run_id: str, logger: logging.Logger) -> int:
                 spared.add(flow_run_id)
                 parent = client.read_flow_run(flow_run_id).parent_task_run_id
                 flow_run_id = client.read_task_run(parent).flow_run_id if parent else None
-            flow_runs = client.read_flow_runs(
-                flow_run_filter=FlowRunFilter(
-                    tags=FlowRunFilterTags(all_=[run_tag(run_id)]), state={"type": FlowRunFilterStateType(any_=live)}
-                ),
-                limit=200,
-            )
-            subflows = client.read_flow_runs(  # in any state: the runner may have marked them already
+            tagged = client.read_flow_runs(
                 flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[run_tag(run_id)])), limit=200
             )
-            tracking = {fr.parent_task_run_id for fr in subflows if fr.parent_task_run_id is not None}
+            # Tracking task runs of subflows in any state: the runner may have marked a subflow already.
+            tracking = {fr.parent_task_run_id for fr in tagged if fr.parent_task_run_id is not None}
+            flow_runs = [fr for fr in tagged if fr.state is not None and fr.state.type in live]
             task_runs = client.read_task_runs(
                 task_run_filter=TaskRunFilter(
                     tags=TaskRunFilterTags(all_=[run_tag(run_id)]),
@@ -171,7 +166,7 @@ def publish_iteration(
     prompt: rank, explore reward against BF16 reward), ``<run>-summary`` (markdown: proxy fidelity, guards,
     evaluation, stage seconds, where the pool is stored) and, when ``report`` was written, ``<run>-report`` (a
     link to the HTML page). One key per campaign and kind: the Artifacts page lists each key's latest version."""
-    from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
     from solrl.storage.stage import read_manifest
     from solrl.storage.summary import rankings, summary_markdown
@@ -190,12 +185,22 @@ def publish_iteration(
             key=artifact_key(run_id, "summary"),
             description=f"Summary of {where}",
         )
-        if report is not None:
-            create_link_artifact(
-                report.resolve().as_uri(),
-                link_text=f"{run_id} report, iteration {iteration}",
-                key=artifact_key(run_id, "report"),
-                description=f"The HTML report of {run_id} as of iteration {iteration}",
-            )
     except Exception as exc:  # noqa: BLE001 - bookkeeping only (module doc)
         logger.warning("could not publish the artifacts of %s (%s: %s)", where, exc.__class__.__name__, exc)
+    if report is not None:
+        link_report(run_id, report, f"iteration {iteration}", logger)
+
+
+def link_report(run_id: str, page: Path, when: str, logger: logging.Logger) -> None:
+    """The ``<run>-report`` link artifact to the HTML ``page``, as of ``when`` (e.g. ``iteration 5``)."""
+    from prefect.artifacts import create_link_artifact
+
+    try:
+        create_link_artifact(
+            page.resolve().as_uri(),
+            link_text=f"{run_id} report",
+            key=artifact_key(run_id, "report"),
+            description=f"The HTML report of {run_id}, {when}",
+        )
+    except Exception as exc:  # noqa: BLE001 - bookkeeping only (module doc)
+        logger.warning("could not publish the report link of %s (%s: %s)", run_id, exc.__class__.__name__, exc)

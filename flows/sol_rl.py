@@ -30,7 +30,7 @@ from solrl.stages.context import StageContext
 from solrl.stages.pipeline import ITERATION, STAGES, campaign_plan, first_pending, run_shard, run_stage, stage_shards
 from solrl.stages.runnable import check_runnable
 from solrl.stages.sharding import Shard
-from solrl.storage.html_report import write_report
+from solrl.storage.html_report import REPORT_DIR, write_report
 from solrl.storage.runs import Run, open_run, run_lock
 from solrl.storage.stage import read_manifest, stage_dir
 from solrl.storage.tracking import Tracker
@@ -41,8 +41,6 @@ _ARTIFACTS = {
     "evaluate": ("samples.png", "eval_samples"),
     "checkpoint": (".", "checkpoints"),
 }
-#: The run store's copy of the HTML report (rewritten every ``tracking.report_every`` iterations and at the end).
-REPORT_DIR = "report"
 
 
 @task(task_run_name="{stage}[{iteration}]", cache_policy=NO_CACHE, persist_result=False, retry_delay_seconds=2)
@@ -156,15 +154,9 @@ def _run_and_track(
     return result
 
 
-def _report(run: Run, iteration: int | None) -> Path | None:
-    """Rewrite the run store's HTML report (``<run>/report/``) when ``iteration`` is due for it
-    (``tracking.report_every``) or the campaign ended (``iteration`` None); returns the page when written."""
-    every = run.config.tracking.report_every
-    if iteration is not None and (not every or iteration % every):
-        return None
-    folder = run.run_dir / REPORT_DIR
-    paths = write_report(run, [s.name for s in ITERATION], campaign_plan(run.config), folder)
-    return paths[0]
+def _write_report(run: Run) -> Path:
+    """Rewrite the run store's HTML report and its figures (``<run>/report/``); returns the page."""
+    return write_report(run, [s.name for s in ITERATION], campaign_plan(run.config), run.run_dir / REPORT_DIR)[0]
 
 
 @flow(name="sol-rl-iteration", flow_run_name="{run_id}-iter{iteration}")
@@ -193,29 +185,21 @@ def sol_rl_iteration(
     for stage in stages[committed:]:
         result = _run_and_track(store, run_id, iteration, stage, tracker, retries, parallel_shards)
         metrics.update(result["manifest"]["metrics"])
-    report = _report(run, iteration) if iteration < run.config.campaign.iterations else None
-    cockpit.publish_iteration(run.run_dir, run_id, iteration, stages, logger, report=report)
+    every = run.config.tracking.report_every  # the campaign's end writes its own (``_log_report``)
+    due = bool(every) and iteration % every == 0 and iteration < run.config.campaign.iterations
+    cockpit.publish_iteration(
+        run.run_dir, run_id, iteration, stages, logger, report=_write_report(run) if due else None
+    )
     return metrics
 
 
 def _log_report(run, tracker: Tracker, logger) -> None:
     """The HTML report page and its figures into the run store (``<run>/report/``) and to MLflow
     (``report/``), as ``solrl report --html`` writes them; its link as the campaign's report artifact."""
-    page = _report(run, None)
-    assert page is not None
+    page = _write_report(run)
     for path in sorted(page.parent.iterdir()):
         tracker.log_artifact(path, "report")
-    try:
-        from prefect.artifacts import create_link_artifact
-
-        create_link_artifact(
-            page.resolve().as_uri(),
-            link_text=f"{run.run_id} report",
-            key=cockpit.artifact_key(run.run_id, "report"),
-            description=f"The HTML report of {run.run_id}, the campaign finished",
-        )
-    except Exception as exc:  # noqa: BLE001 - bookkeeping only
-        logger.warning("could not publish the report link (%s: %s)", exc.__class__.__name__, exc)
+    cockpit.link_report(run.run_id, page, "the campaign finished", logger)
 
 
 def _mark_stopped(tracker: Tracker, status: str, logger) -> None:
@@ -230,18 +214,14 @@ def _mark_stopped(tracker: Tracker, status: str, logger) -> None:
 
 def _skipped_line(plan: list[tuple[int, list[str]]], pending: tuple[int, str] | None) -> str | None:
     """solrl's own words for what a continued campaign does not recompute (None for a fresh campaign)."""
-    done = []
-    for iteration, stages in plan:
-        before = stages if pending is None or iteration < pending[0] else []
-        if pending is not None and iteration == pending[0]:
-            before = stages[: stages.index(pending[1])]
-        done += [(iteration, s) for s in before]
+    counts = {i: _committed_count(i, stages, pending) for i, stages in plan}
+    done = sum(counts.values())
     if not done:
         return None
-    full = [i for i, stages in plan if all((i, s) in done for s in stages)]
+    full = [i for i, stages in plan if counts[i] == len(stages)]
     where = "the whole campaign is committed" if pending is None else f"continuing at {pending[1]}[{pending[0]}]"
     return (
-        f"{len(done)} committed stages are kept and not recomputed (iterations fully committed: "
+        f"{done} committed stages are kept and not recomputed (iterations fully committed: "
         f"{_ranges(full) or 'none'}); solrl trusts the run store's manifests, not Prefect's results, so what Prefect's "
         f"Retry dialog says of task runs without a persisted result does not apply; {where}"
     )

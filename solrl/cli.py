@@ -123,6 +123,7 @@ def _launch(store: str, run_id: str) -> None:
 def _report(store: str, run_id: str) -> None:
     import json
 
+    from solrl.storage.html_report import REPORT_DIR
     from solrl.storage.runs import open_run
     from solrl.storage.tracking import TRACKING_FILE, experiment_url, tracking_uri
 
@@ -138,7 +139,7 @@ def _report(store: str, run_id: str) -> None:
     typer.echo(
         f"\nrun {run_id} finished; results in {run.run_dir}\n"
         f"  per-iteration stages: {run.run_dir}/iter_*/<stage>/ (Zarr pools, Parquet tables, checkpoint)\n"
-        f"  report:     {run.run_dir / 'report' / 'report.html'}\n"
+        f"  report:     {run.run_dir / REPORT_DIR / 'report.html'}\n"
         f"  table:      solrl report {run_id} --store {run.run_dir.parent}\n"
         f"  LoRA:       solrl export {run_id} --store {run.run_dir.parent} --out <folder>\n"
         f"  MLflow UI:  {mlflow_ui}\n"

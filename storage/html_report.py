@@ -220,6 +220,10 @@ def render_html(
     return "\n".join(parts)
 
 
+#: The run store's copy of the report: ``<run>/report/report.html`` and its figures (the campaign rewrites it).
+REPORT_DIR = "report"
+
+
 def write_report(run: Run, stages: Sequence[str], plan: Sequence[tuple[int, Sequence[str]]], out: Path) -> list[Path]:
     """Write ``report.html`` and each curve figure as its own PNG into the folder ``out`` (what the campaign
     flow logs to MLflow); returns the paths written."""

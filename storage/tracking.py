@@ -25,8 +25,9 @@ from solrl.storage.stage import write_json_atomic
 
 TRACKING_FILE = "tracking.json"
 
-#: MLflow 3 files an experiment as GenAI (traces, "Evaluation runs", an assistant panel) or as model training
-#: by its ``mlflow.experimentKind`` tag; solrl's runs are model training.
+#: MLflow 3's mark of a model-training experiment (the other kind is GenAI: traces, "Evaluation runs"). The
+#: 3.17 UI picks its view from a toggle it keeps in the browser, not from this tag: ``experiment_url`` opens
+#: the model-training view.
 EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}
 
 #: The query that opens the MLflow UI (3.x) in its model-training view whatever view it last showed.

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-#: Pixels per character and per line of the label font (``_font``), for layout.
-_CHAR_W, _LINE_H = 7, 15
+#: Pixels per line of the label font (``_font``), for layout.
+_LINE_H = 15
 
 
 @lru_cache(maxsize=1)
