@@ -6,13 +6,16 @@ guidance embedding; 512 px, 1024 packed tokens, 512 T5 tokens), SD3.5-Large (38 
 128 x 128 x 16 latents, 333 text tokens); batch 24, ``--steps`` Euler steps. Layers are quantized by each
 family's Sol-RL skip rule (its adapter's NVFP4 skip list and ``max(in, out) <= min_dim``). For each
 precision this machine runs (bf16, fp8, nvfp4 via Transformer Engine; fp8_emulated / nvfp4_emulated
-fake-quant for comparison) it reports images per second, the seconds to build (merge + quantize) the explore
-copy, and peak GPU memory. One script, no network; writes its tables to ``$OUT/gpu_explore.md`` when ``OUT``
-is set. On an H200 the emulated rows of FLUX and SD3.5 at batch 24 may take minutes: pick with
-``--families`` and ``--precisions``.
+fake-quant for comparison), eager and with the repeated blocks compiled (``explore.compile``; the Sol-RL
+release compiles both copies with ``max-autotune-no-cudagraphs`` and measures its speed-ups against a compiled
+BF16 baseline, so the last column compares each row with compiled bf16), it reports images per second, the
+compile seconds, the seconds to build (merge + quantize) the explore copy, and peak GPU memory. Transformer
+Engine's layers are compiled around (they run eager inside the compiled blocks). One script, no network;
+writes its tables to ``$OUT/gpu_explore.md`` when ``OUT`` is set. On an H200 the emulated rows of FLUX and
+SD3.5 at batch 24 may take minutes: pick with ``--families``, ``--precisions`` and ``--compile``.
 
-    python bench/gpu_explore.py                          # on a GPU: all three families
-    python bench/gpu_explore.py --families sana --batch 8
+    python bench/gpu_explore.py                          # on a GPU: all three families, eager and compiled
+    python bench/gpu_explore.py --families sana --batch 8 --compile compiled
     python bench/gpu_explore.py --smoke                  # tiny shapes on CPU: checks the script, not the numbers
 """
 
@@ -32,11 +35,13 @@ from pathlib import Path
 
 import torch
 
+from solrl.registry import EXPLORE_BACKENDS
 from solrl.stages.models.flux import Flux, TinyFlux
 from solrl.stages.models.sana import Sana, TinySana
 from solrl.stages.models.sd3 import SD3, TinySD3
 from solrl.stages.quant import quantize_model_
 from solrl.stages.quant.availability import runnable_precisions, unavailable_reason
+from solrl.stages.sampling.compiled import compiled_blocks
 
 
 @dataclass(frozen=True)
@@ -187,28 +192,49 @@ def run_case(name: str, args: argparse.Namespace, device: torch.device) -> str:
     batch = 4 if args.smoke else args.batch
     inputs = case.inputs(args.smoke, batch, device, dtype)
     params = sum(p.numel() for p in net.parameters())
-    rows = []
+    variants = {"eager": [False], "compiled": [True], "both": [False, True]}[args.compile]
+    rows, measured = [], {}
     for precision in args.precisions:
         reason = unavailable_reason(precision)
         if reason is not None:
-            rows.append(f"| {precision} | - | - | - | - | not run: {reason} |")
+            rows.append((precision, "-", None, f"| - | - | - | - | - | not run: {reason} |"))
             continue
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-        try:
-            start = time.perf_counter()
-            copy_net = explore_copy(net, precision, case, args.smoke)
-            sync(device)
-            copy_seconds = time.perf_counter() - start
-            seconds = measure(copy_net, inputs, args.steps, case.timestep_scale, device)
-        except Exception as exc:  # one failing backend must not hide the others' rows
-            rows.append(f"| {precision} | - | - | - | - | failed: {exc.__class__.__name__}: {str(exc)[:160]} |")
-            continue
-        peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
-        rows.append(f"| {precision} | {batch / seconds:.2f} | {seconds:.2f} | {copy_seconds:.2f} | {peak:.1f} | |")
-        del copy_net
+        for compiled in variants:
+            label = "compiled" if compiled else "eager"
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            try:
+                start = time.perf_counter()
+                copy_net = explore_copy(net, precision, case, args.smoke)
+                sync(device)
+                copy_seconds = time.perf_counter() - start
+                compile_seconds = float("nan")
+                if compiled:
+                    eager = EXPLORE_BACKENDS.get(precision).eager_layer
+                    repeated = case.family.repeated_blocks
+                    with compiled_blocks(copy_net, args.mode, fallback=repeated, eager=eager, what=precision) as st:
+                        seconds = measure(copy_net, inputs, args.steps, case.timestep_scale, device)
+                    compile_seconds = st.seconds
+                else:
+                    seconds = measure(copy_net, inputs, args.steps, case.timestep_scale, device)
+            except Exception as exc:  # one failing backend must not hide the others' rows
+                failed = f"failed: {exc.__class__.__name__}: {str(exc)[:160]}"
+                rows.append((precision, label, None, f"| - | - | - | - | - | {failed} |"))
+                continue
+            peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+            measured[precision, label] = seconds
+            cells = (
+                f"| {batch / seconds:.2f} | {seconds:.2f} | {compile_seconds:.1f} | {copy_seconds:.2f} | {peak:.1f} |"
+            )
+            rows.append((precision, label, seconds, cells))
+            del copy_net
     del net
+    baseline = measured.get(("bf16", "compiled"))
+    lines = []
+    for precision, label, seconds, cells in rows:
+        ratio = f"{baseline / seconds:.2f}x" if baseline and seconds else "-"
+        lines.append(f"| {precision} | {label} {cells} {ratio} |" if seconds else f"| {precision} | {label} {cells}")
     title = type(case.build).__name__
     return (
         "\n".join(
@@ -216,9 +242,10 @@ def run_case(name: str, args: argparse.Namespace, device: torch.device) -> str:
                 f"{name} ({'smoke' if args.smoke else 'published size'}, {params / 1e6:.0f}M params), batch {batch}, "
                 f"{args.steps} steps",
                 "",
-                "| precision | images/s | s per batch | copy build s (merge + quantize) | peak GiB | note |",
-                "| --- | --- | --- | --- | --- | --- |",
-                *rows,
+                "| precision | run | images/s | s per batch | compile s | copy build s (merge + quantize) | peak GiB "
+                "| speed-up over compiled bf16 |",
+                "| --- | --- | --- | --- | --- | --- | --- | --- |",
+                *lines,
             ]
         )
         if title
@@ -233,10 +260,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--batch", type=int, default=24, help="images per batch (Sol-RL's rollout batch: 24)")
     parser.add_argument("--precisions", nargs="+", default=["bf16", "fp8", "nvfp4", "fp8_emulated", "nvfp4_emulated"])
+    parser.add_argument("--compile", choices=["eager", "compiled", "both"], default="both")
+    parser.add_argument(
+        "--mode", default=None, help="torch.compile mode; default max-autotune-no-cudagraphs on a GPU (as Sol-RL)"
+    )
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and not args.smoke:
         raise SystemExit("no CUDA device: run with --smoke for a CPU check of the script")
+    args.mode = args.mode or ("max-autotune-no-cudagraphs" if device.type == "cuda" else "default")
     name = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or platform.machine()
     header = f"{name}; torch {torch.__version__}; runnable: {', '.join(runnable_precisions())}"
     tables = [header]

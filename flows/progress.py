@@ -9,8 +9,10 @@ left in the plan (stages skipped on resume count neither way).
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -43,6 +45,7 @@ class CampaignProgress:
         self.ran = 0
         self.started = time.monotonic()
         self.latest: dict[str, float] = {}
+        self._where = ""
         self._progress: Progress | None = None
         if live:
             self._progress = Progress(
@@ -77,7 +80,13 @@ class CampaignProgress:
             )
 
     def stage_started(self, iteration: int, stage: str) -> None:
-        self._refresh(f"iteration {iteration}/{self.iterations} {stage}")
+        self._where = f"iteration {iteration}/{self.iterations} {stage}"
+        self._refresh(self._where)
+
+    def note(self, message: str) -> None:
+        """Say what the running stage is doing now, after its name (``compiling the BF16 rollout...``), until it
+        ends: a long first batch is not mistaken for a hang."""
+        self._refresh(f"{self._where}: {message}")
 
     def stage_done(self, iteration: int, stage: str, seconds: float, skipped: bool, metrics: dict[str, float]) -> None:
         """Count a stage; ``seconds`` feeds the ETA unless the stage was ``skipped`` (committed earlier)."""
@@ -125,3 +134,35 @@ def start(plan: Sequence[tuple[int, Sequence[str]]]) -> CampaignProgress:
 def current() -> CampaignProgress | None:
     """The progress of the campaign running in this process, if any."""
     return _current
+
+
+class _StageNotes(logging.Handler):
+    """solrl's own log records (the ``solrl`` logger) to a stage's run logger and the live line."""
+
+    def __init__(self, run_logger: logging.Logger | logging.LoggerAdapter, progress: CampaignProgress | None):
+        super().__init__(logging.INFO)
+        self.run_logger, self.progress = run_logger, progress
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        self.run_logger.log(record.levelno, message)
+        if self.progress is not None:
+            self.progress.note(message)
+
+
+@contextmanager
+def stage_notes(
+    run_logger: logging.Logger | logging.LoggerAdapter, progress: CampaignProgress | None = None
+) -> Iterator[None]:
+    """While a stage runs: what solrl's stage code logs at INFO or above (``compiling nvfp4_emulated explore
+    copy: ...``) goes to the stage's Prefect task log and, on a terminal, after the stage's name in the live line
+    of ``progress`` (default: the campaign running in this process)."""
+    solrl_log = logging.getLogger("solrl")
+    handler, level = _StageNotes(run_logger, progress or _current), solrl_log.level
+    solrl_log.addHandler(handler)
+    solrl_log.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        solrl_log.removeHandler(handler)
+        solrl_log.setLevel(level)

@@ -24,6 +24,7 @@ from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settin
 
 from solrl.flows import cockpit
 from solrl.flows.progress import current as current_progress
+from solrl.flows.progress import stage_notes
 from solrl.flows.progress import start as start_progress
 from solrl.flows.runners import shard_submit_options, shard_task_runner
 from solrl.stages.context import StageContext
@@ -48,8 +49,9 @@ def stage_task(store: str, run_id: str, iteration: int, stage: str) -> dict:
     """Run (or skip) one stage; returns its manifest as a dict."""
     run = open_run(store, run_id)
     ctx = StageContext(run.config, run.run_dir, run.run_id, iteration, run.config_hash)
-    manifest, skipped = run_stage(ctx, stage)
     logger = get_run_logger()
+    with stage_notes(logger):
+        manifest, skipped = run_stage(ctx, stage)
     if skipped:
         logger.info(
             "iteration %d %s: committed manifest matches inputs %s, skipped",
@@ -75,9 +77,11 @@ def shard_task(store: str, run_id: str, iteration: int, stage: str, index: int, 
     a failed shard is retried alone); returns whether it was skipped."""
     run = open_run(store, run_id)
     ctx = StageContext(run.config, run.run_dir, run.run_id, iteration, run.config_hash)
-    manifest, skipped = run_shard(ctx, stage, Shard(index, count))
+    logger = get_run_logger()
+    with stage_notes(logger):
+        manifest, skipped = run_shard(ctx, stage, Shard(index, count))
     if not skipped:
-        get_run_logger().info(
+        logger.info(
             "iteration %d %s shard %d/%d: committed in %.2f s", iteration, stage, index + 1, count, manifest.seconds
         )
     return skipped

@@ -91,6 +91,11 @@ class ModelConfig(_Section):
     lora_rank: int = Field(8, ge=1, description="LoRA rank of the trained policy adapter (peft).")
     lora_alpha: float = Field(8.0, gt=0, description="LoRA alpha (scaling = alpha / rank).")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available, else cpu.")
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = Field(
+        "default",
+        description="torch.compile mode of the sampling copies that explore.compile / regenerate.compile compile "
+        "(the Sol-RL release: max-autotune-no-cudagraphs).",
+    )
 
 
 class ExploreConfig(_Section):
@@ -109,6 +114,11 @@ class ExploreConfig(_Section):
         "sample",
         description="Emulated backends: one activation tensor scale per sample (a candidate does not depend on the "
         "batch it was sampled in) or per forward call (the whole batch's amax, as Transformer Engine does).",
+    )
+    compile: bool = Field(
+        False,
+        description="Sample with the explore copy's transformer blocks compiled (torch.compile, model.compile_mode); "
+        "the first iteration pays the compile. See the README for where it pays.",
     )
 
 
@@ -132,6 +142,11 @@ class RegenerateConfig(_Section):
     )
     sde_window: tuple[int, int] | None = Field(
         None, description="flow_grpo 'fast': SDE on steps [start, end), ODE elsewhere, train the window only."
+    )
+    compile: bool = Field(
+        False,
+        description="Sample with the BF16 rollout's transformer blocks compiled (torch.compile, model.compile_mode): "
+        "regeneration, the audit and the evaluation, which share that network. The update stays eager.",
     )
 
 

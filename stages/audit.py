@@ -17,7 +17,8 @@ from solrl.stages.context import StageContext
 from solrl.stages.metrics.fidelity import pool_agreement
 from solrl.stages.metrics.grid_artifacts import grid_energy
 from solrl.stages.metrics.selection import pool_ranks
-from solrl.stages.quant.backends import rollout_network
+from solrl.stages.quant.backends import sampling_network
+from solrl.stages.sampling.compiled import compile_metrics
 from solrl.stages.sampling.rollout import generate
 from solrl.stages.score import score_images
 from solrl.stages.sharding import WHOLE, Shard
@@ -47,7 +48,10 @@ def audit(
     explore = scores.totals(np.broadcast_to(np.arange(N), (P, N)))[groups]
     prompts = [pool.prompts[p] for p in groups for _ in range(N)]
     policy = ctx.load_policy(start)
-    with rollout_network(policy, "bf16") as net:
+    with sampling_network(policy, "bf16", compile=ctx.cfg.regenerate.compile, mode=ctx.cfg.model.compile_mode) as (
+        net,
+        compiled,
+    ):
         samples = generate(
             policy.model,
             net,
@@ -84,8 +88,10 @@ def audit(
         per_prompt = grid_energy(images, policy.model.grid_period).reshape(len(groups), N).mean(1)
         energy = {"audit/grid_energy": float(per_prompt.mean())}
     if shard.count > 1:
-        return StageOutput(metrics=energy, info={"prompts": len(groups)})
-    return _summary(ctx, table, energy, pool)
+        return StageOutput(metrics=energy | compile_metrics("audit", compiled), info={"prompts": len(groups)})
+    summary = _summary(ctx, table, energy, pool)
+    summary.metrics.update(compile_metrics("audit", compiled))
+    return summary
 
 
 def audit_prompts(cfg: RunConfig) -> int:

@@ -12,7 +12,8 @@ from solrl.stages.context import StageContext
 from solrl.stages.metrics.diversity import pairwise_diversity
 from solrl.stages.metrics.grid import save_grid
 from solrl.stages.metrics.grid_artifacts import grid_energy
-from solrl.stages.quant.backends import rollout_network
+from solrl.stages.quant.backends import sampling_network
+from solrl.stages.sampling.compiled import compile_metrics
 from solrl.stages.sampling.rollout import generate
 from solrl.stages.sampling.samplers import derive_seed
 from solrl.stages.score import score_images
@@ -51,7 +52,10 @@ def evaluate(ctx: StageContext, out: Path, trained: TrainedPolicy | None, *, sha
     )
     policy = ctx.load_policy(trained)
     flat = [p for p in prompts for _ in range(S)]
-    with rollout_network(policy, "bf16") as net:
+    with sampling_network(policy, "bf16", compile=ctx.cfg.regenerate.compile, mode=ctx.cfg.model.compile_mode) as (
+        net,
+        compiled,
+    ):
         samples = generate(
             policy.model,
             net,
@@ -82,7 +86,11 @@ def evaluate(ctx: StageContext, out: Path, trained: TrainedPolicy | None, *, sha
     )
     drawn.write(out)
     table.write(out)
-    return StageOutput() if shard.count > 1 else _summary(ctx, out, drawn, table)
+    if shard.count > 1:
+        return StageOutput(metrics=compile_metrics("evaluate", compiled))
+    summary = _summary(ctx, out, drawn, table)
+    summary.metrics.update(compile_metrics("evaluate", compiled))
+    return summary
 
 
 def eval_rewards(ctx: StageContext) -> list[str]:

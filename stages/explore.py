@@ -8,7 +8,8 @@ import numpy as np
 
 from solrl.registry import EXPLORE_BACKENDS
 from solrl.stages.context import StageContext
-from solrl.stages.quant.backends import rollout_network
+from solrl.stages.quant.backends import sampling_network
+from solrl.stages.sampling.compiled import compile_metrics
 from solrl.stages.sampling.rollout import generate, trajectory_arrays
 from solrl.stages.sharding import WHOLE, Shard
 from solrl.storage.artifacts import CandidatePool, StartingPolicy
@@ -54,7 +55,14 @@ def explore(ctx: StageContext, out: Path, start: StartingPolicy | None, *, shard
     flat_prompts = [prompts[p] for p in range(P) for _ in range(N)]
     policy.explore_sync_seconds = 0.0
     noise_level = ctx.cfg.sde_noise_level()
-    with rollout_network(policy, precision, cfg.min_dim, cfg.activation_scale) as net:
+    with sampling_network(
+        policy,
+        precision,
+        compile=cfg.compile,
+        mode=ctx.cfg.model.compile_mode,
+        min_dim=cfg.min_dim,
+        activation_scale=cfg.activation_scale,
+    ) as (net, compiled):
         traj = generate(
             policy.model,
             net,
@@ -86,6 +94,7 @@ def explore(ctx: StageContext, out: Path, start: StartingPolicy | None, *, shard
         metrics={
             "explore/sync_seconds": policy.explore_sync_seconds,
             "explore/low_precision": EXPLORE_BACKENDS.get(precision).low_precision,
+            **compile_metrics("explore", compiled),
         },
         info={"precision": precision, "prompts": P, "pool_size": N, "warnings": warnings},
     )

@@ -7,7 +7,8 @@ from pathlib import Path
 import numpy as np
 
 from solrl.stages.context import StageContext
-from solrl.stages.quant.backends import rollout_network
+from solrl.stages.quant.backends import sampling_network
+from solrl.stages.sampling.compiled import compile_metrics
 from solrl.stages.sampling.rollout import generate, trajectory_arrays
 from solrl.stages.sharding import WHOLE, Shard
 from solrl.storage.artifacts import CandidatePool, Samples, Selection, StartingPolicy
@@ -46,7 +47,10 @@ def regenerate(
     if ctx.cfg.regenerate.enabled:
         policy = ctx.load_policy(start)
         noise_level = ctx.cfg.sde_noise_level()
-        with rollout_network(policy, "bf16") as net:
+        with sampling_network(policy, "bf16", compile=ctx.cfg.regenerate.compile, mode=ctx.cfg.model.compile_mode) as (
+            net,
+            compiled,
+        ):
             traj = generate(
                 policy.model,
                 net,
@@ -61,10 +65,12 @@ def regenerate(
         images = policy.model.decode(traj.samples)
         arrays = {"images": images.reshape(P, k, *images.shape[1:]), **trajectory_arrays(traj, (P, k), noise_level > 0)}
         precision, sde_steps = "bf16", traj.sde.tolist()
+        metrics = compile_metrics("regenerate", compiled)
     else:
         rows = positions[:, None]
         arrays = {name: getattr(pool, name)[rows, kept] for name in _TRAINABLE if getattr(pool, name) is not None}
         precision, sde_steps = pool.attrs["precision"], pool.attrs["sde_steps"]
+        metrics = {}
     groups = ordered.groupby("group", sort=True)
     Samples(
         **arrays,
@@ -81,4 +87,4 @@ def regenerate(
             "regenerated": ctx.cfg.regenerate.enabled,
         },
     ).write(out)
-    return StageOutput(info={"samples": P * k, "precision": precision})
+    return StageOutput(metrics=metrics, info={"samples": P * k, "precision": precision})

@@ -11,6 +11,8 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="solrl-prefect-"))
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ["DO_NOT_TRACK"] = "1"
+# Two cores busy compiling (Inductor) can hold the temporary Prefect server past its 20 s default start.
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 # Quiet Prefect: its temporary server logs "Stopping" at exit, after pytest closed the streams.
 os.environ["PREFECT_LOGGING_LEVEL"] = "WARNING"
 os.environ.pop("MLFLOW_TRACKING_URI", None)
@@ -41,8 +43,33 @@ TINY = [
 ]
 
 
+#: What the forkserver of the tests' child processes imports once, so each child forks with it loaded: the
+#: pipeline, and diffusers' SANA transformer, its scheduler and peft, which a child's first ``load_policy``
+#: would otherwise import again (about 6 of its 7 s).
+CHILD_PRELOAD = [
+    "solrl.stages.pipeline",
+    "conftest",
+    "diffusers.models.transformers.sana_transformer",
+    "diffusers.schedulers.scheduling_flow_match_euler_discrete",
+    "peft",
+]
+
+
 def tiny_config(root: Path, *extra: str) -> RunConfig:
     return load_config("tiny-digits", [*TINY, f"storage.root={root}", *extra])
+
+
+@pytest.fixture(scope="session")
+def tiny_campaign(tmp_path_factory: pytest.TempPathFactory):
+    """One finished 2-iteration tiny-digits campaign (run ``flow``, alone in its store) through the Prefect flow,
+    shared by the tests that only read it (its MLflow record, its selections)."""
+    from solrl.flows.sol_rl import campaign
+    from solrl.storage.runs import create_run
+
+    store = tmp_path_factory.mktemp("tiny-campaign") / "store"
+    run = create_run(tiny_config(store), "flow")
+    campaign(str(store), run.run_id)
+    return run
 
 
 @pytest.fixture

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import io
+import logging
 
 from rich.console import Console
 
-from solrl.flows.progress import CampaignProgress, format_seconds
+from solrl.flows.progress import CampaignProgress, format_seconds, stage_notes
 
 
 def test_the_live_line_shows_iteration_stage_elapsed_eta_and_the_latest_evaluation():
@@ -36,3 +37,23 @@ def test_skipped_stages_count_toward_progress_but_not_toward_the_eta():
     assert line.startswith("iteration 1/1 done; 2/3 stages, elapsed 0:00:0") and "ETA 0:00:06" in line
     assert line.endswith("diversity 0.200")
     assert format_seconds(3725) == "1:02:05" and format_seconds(float("nan")) == "-:--:--"
+
+
+def test_what_a_stage_logs_while_it_runs_reaches_its_task_log_and_the_live_line():
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=200)
+    progress = CampaignProgress([(1, ["explore"])], live=True, console=console)
+    task_log = logging.getLogger("test-progress-task")  # stands where the Prefect task's run logger stands
+    records: list[logging.LogRecord] = []
+    kept = logging.Handler()
+    kept.emit = records.append  # type: ignore[method-assign]
+    task_log.addHandler(kept)
+    task_log.propagate = False
+    task_log.setLevel(logging.INFO)
+    progress.stage_started(1, "explore")
+    with stage_notes(task_log, progress):
+        logging.getLogger("solrl.compile").info("compiling nvfp4_emulated explore copy: 3 blocks")
+    logging.getLogger("solrl.compile").info("after the stage: not forwarded")
+    progress.close()
+    assert [r.getMessage() for r in records] == ["compiling nvfp4_emulated explore copy: 3 blocks"]
+    assert "iteration 1/1 explore: compiling nvfp4_emulated explore copy" in out.getvalue()

@@ -73,6 +73,9 @@ class ModelAdapter:
     lora_targets: ClassVar[tuple[str, ...]]
     #: Module-name fragments the low-precision explore copy leaves in high precision (Sol-RL skip rules).
     nvfp4_skip: ClassVar[tuple[str, ...]]
+    #: Class names of the transformer's repeated blocks, compiled by ``explore.compile`` / ``regenerate.compile``
+    #: where the diffusers class declares no ``_repeated_blocks`` of its own (SANA, SD3).
+    repeated_blocks: ClassVar[tuple[str, ...]] = ()
 
     transformer: nn.Module
     device: torch.device

@@ -39,6 +39,7 @@ class SD3(DiffusersFamily):
         "add_v_proj",
         "to_add_out",
     )
+    repeated_blocks: ClassVar[tuple[str, ...]] = ("JointTransformerBlock",)
     nvfp4_skip: ClassVar[tuple[str, ...]] = (
         "pos_embed",
         "context_embedder",

@@ -28,6 +28,7 @@ from solrl.registry import EXPLORE_BACKENDS, register_explore_backend
 from solrl.stages.models.policy import Policy
 from solrl.stages.quant.availability import check_precision, unavailable_reason
 from solrl.stages.quant.nvfp4 import quantize_model_, requantize_model_
+from solrl.stages.sampling.compiled import CompileStats, compiled_blocks
 
 
 class ExploreBackend:
@@ -41,6 +42,11 @@ class ExploreBackend:
     def unavailable_reason(cls) -> str | None:
         """None when this backend runs on this machine, else why not (one sentence)."""
         return unavailable_reason(cls.name)
+
+    @classmethod
+    def eager_layer(cls, module: nn.Module) -> bool:
+        """Whether ``module`` runs eager inside a compiled block (compiled around): layers dynamo cannot trace."""
+        return False
 
     @classmethod
     @contextmanager
@@ -90,6 +96,13 @@ class FP8Emulated(_Emulated):
 
 
 class _TransformerEngine(ExploreBackend):
+    @classmethod
+    def eager_layer(cls, module: nn.Module) -> bool:
+        """Transformer Engine's modules. Whether dynamo traces ``te.Linear`` under ``te.autocast`` is not verified
+        here (no GPU), so they run eager inside the compiled block: it graph-breaks around each of them and
+        compiles attention, norms and the rest."""
+        return type(module).__module__.startswith("transformer_engine")
+
     @classmethod
     @contextmanager
     def network(cls, policy: Policy, min_dim: int = 0, activation_scale: str = "sample") -> Iterator[nn.Module]:
@@ -149,3 +162,32 @@ def rollout_network(
         ValueError: unknown precision, or a hardware precision this machine cannot run.
     """
     return EXPLORE_BACKENDS.get(precision).network(policy, min_dim, activation_scale)
+
+
+@contextmanager
+def sampling_network(
+    policy: Policy,
+    precision: str,
+    *,
+    compile: bool = False,
+    mode: str = "default",
+    min_dim: int = 0,
+    activation_scale: str = "sample",
+) -> Iterator[tuple[nn.Module, CompileStats | None]]:
+    """``rollout_network`` with, when ``compile``, its transformer's repeated blocks compiled for the duration
+    (``solrl.stages.sampling.compiled.compiled_blocks``; the backend's ``eager_layer`` compiled around). Yields
+    ``(network, stats)``; stats is None without compile, and complete once the context exits.
+
+    Raises:
+        ValueError: as ``rollout_network``; an unknown ``mode``; a transformer with no repeated blocks.
+    """
+    backend = EXPLORE_BACKENDS.get(precision)
+    with rollout_network(policy, precision, min_dim, activation_scale) as net:
+        if not compile:
+            yield net, None
+            return
+        what = "BF16 rollout" if precision == "bf16" else f"{precision} explore copy"
+        with compiled_blocks(
+            net, mode, fallback=policy.model.repeated_blocks, eager=backend.eager_layer, what=what
+        ) as stats:
+            yield net, stats

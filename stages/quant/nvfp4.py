@@ -249,7 +249,8 @@ def fake_quantize_per_sample(x: torch.Tensor, fmt: str) -> torch.Tensor:
         float32, the shape of ``x``.
 
     Raises:
-        ValueError: non-finite values, ``K % 16 != 0`` (nvfp4), unknown ``fmt``.
+        ValueError: non-finite values (traced by ``torch.compile``: a RuntimeError from the graph's assert),
+            ``K % 16 != 0`` (nvfp4), unknown ``fmt``.
     """
     _check_fmt(fmt)
     x = x.detach().to(torch.float32)
@@ -257,7 +258,9 @@ def fake_quantize_per_sample(x: torch.Tensor, fmt: str) -> torch.Tensor:
         return x.clone()
     B = x.shape[0]
     amax = x.reshape(B, -1).abs().amax(1)  # [B]
-    if not torch.isfinite(amax).all():
+    if torch.compiler.is_compiling():  # a data-dependent raise would break the graph: an assert inside it
+        torch._assert_async(torch.isfinite(amax).all(), "cannot quantize a tensor with non-finite values")
+    elif not torch.isfinite(amax).all():
         raise ValueError(f"cannot quantize a tensor with non-finite values (shape {tuple(x.shape)})")
     # Exact power-of-two pre-scale of tiny samples (as _pow2_exponent), so 1 / g cannot overflow.
     k = torch.where((amax > 0) & (amax < _TINY_AMAX), -torch.frexp(amax).exponent, 0)  # int [B]
@@ -359,8 +362,11 @@ class FakeQuantLinear(nn.Module):
         in_features, out_features: the matmul's K and N.
         weight_q: buffer, ``[out, in]`` in the weight's dtype, holding the
             quantized weight *without* its FP32 tensor scale (NVFP4: ``q * s_b``;
-            fp8: the E4M3 values), which is exact in bf16/fp16/fp32; the scale is
-            kept as a Python float so ``model.to(dtype)`` cannot round it.
+            fp8: the E4M3 values), which is exact in bf16/fp16/fp32.
+        weight_scale: buffer, int32 ``[]``: the bits of the FP32 tensor scale (an integer buffer, so
+            ``model.to(dtype)`` cannot round it); ``weight_pow2``: int32 ``[]``, the power-of-two pre-scale
+            exponent ``k`` (0 but for tiny weights). Tensors, not Python numbers, so that a re-quantization
+            changes no constant a compiled graph was specialised on.
     """
 
     weight_q: torch.Tensor
@@ -401,8 +407,9 @@ class FakeQuantLinear(nn.Module):
         object.__setattr__(self, "module", module)  # kept, not registered (see class doc)
         self.register_parameter("weight", module.weight)
         self.register_parameter("bias", module.bias)
-        self._w_scale: float = 1.0
-        self._w_pow2: int = 0
+        device = module.weight.device
+        self.register_buffer("weight_scale", torch.zeros((), dtype=torch.int32, device=device), persistent=False)
+        self.register_buffer("weight_pow2", torch.zeros((), dtype=torch.int32, device=device), persistent=False)
         self.register_buffer(
             "weight_q",
             torch.empty((out_f, in_f), dtype=module.weight.dtype, device=module.weight.device),
@@ -423,20 +430,25 @@ class FakeQuantLinear(nn.Module):
         if self.weight_q.dtype != self.weight.dtype or self.weight_q.device != self.weight.device:
             self.weight_q = self.weight_q.to(device=self.weight.device, dtype=self.weight.dtype)
         self.weight_q.copy_(qs)
-        self._w_scale, self._w_pow2 = scale, k
+        self.weight_scale = self.weight_scale.to(self.weight.device)
+        self.weight_pow2 = self.weight_pow2.to(self.weight.device)
+        self.weight_scale.copy_(torch.tensor(scale, dtype=torch.float32).view(torch.int32))
+        self.weight_pow2.fill_(k)
         return self
 
     def dequantized_weight(self) -> torch.Tensor:
-        """The fake-quantized weight, float32 ``[out, in]`` (== ``fq(weight)`` in float32)."""
-        return _decode(self.weight_q, self._w_scale, self._w_pow2)
+        """The fake-quantized weight, float32 ``[out, in]`` (== ``fq(weight)`` in float32): ``_decode`` with the
+        scale and exponent as tensors."""
+        out = self.weight_q.to(torch.float32) * self.weight_scale.view(torch.float32)
+        return torch.ldexp(out, -self.weight_pow2)
 
     def _fq(self, x: torch.Tensor) -> torch.Tensor:
         """Activations ``[B, ..., K]``: one tensor scale per sample, or per call."""
         if self.activation_scale == "sample":
             return fake_quantize_per_sample(x, self.format)
-        if self.format == "nvfp4":
-            return nvfp4_fake_quantize(x, tensor_scale=True)
-        return fp8_e4m3_fake_quantize(x)
+        # The whole call as one sample: the same values as nvfp4_fake_quantize / fp8_e4m3_fake_quantize (tested),
+        # and no host sync, so it compiles into the block's graph.
+        return fake_quantize_per_sample(x.unsqueeze(0), self.format).squeeze(0)
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -451,7 +463,7 @@ class FakeQuantLinear(nn.Module):
             dtype of ``x``.
 
         Raises:
-            ValueError: non-finite activations.
+            ValueError: non-finite activations (RuntimeError inside a compiled block).
         """
         w = self.dequantized_weight()
         b = None if self.bias is None else self.bias.detach().to(torch.float32)
