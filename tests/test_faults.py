@@ -19,7 +19,7 @@ import pandas as pd
 import pytest
 import torch
 import zarr
-from conftest import tiny_config
+from conftest import CHILD_PRELOAD, tiny_config
 
 from solrl.stages.pipeline import campaign_plan
 from solrl.storage.stage import FAULT_ENV, FAULT_POINTS, read_manifest
@@ -50,7 +50,7 @@ def campaign(store: str, fault: str | None) -> None:
 
 def run_in_child(store: Path, fault: str | None) -> int | None:
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["solrl.stages.pipeline", "conftest"])
+    context.set_forkserver_preload(CHILD_PRELOAD)
     child = context.Process(target=campaign, args=(str(store), fault))
     child.start()
     child.join(timeout=600)

@@ -29,15 +29,14 @@ def _committed(run_dir: Path, iterations: int) -> dict[tuple[int, str], str]:
     return {k: v.created for k, v in found.items()}
 
 
-def test_two_iteration_campaign_commits_every_stage_logs_mlflow_and_reruns_as_skips(tmp_path: Path):
+def test_two_iteration_campaign_commits_every_stage_logs_mlflow_and_reruns_as_skips(tiny_campaign):
     import mlflow
 
     from solrl.flows.sol_rl import campaign
     from solrl.storage.tracking import tracking_uri
 
-    cfg = tiny_config(tmp_path / "store")
-    run = create_run(cfg, "flow")
-    campaign(str(run.run_dir.parent), run.run_id)
+    run = tiny_campaign
+    cfg = run.config
     created = _committed(run.run_dir, 2)
 
     client = mlflow.MlflowClient(tracking_uri(cfg, run.run_dir.parent))

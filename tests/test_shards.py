@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import needs_batch_invariant_gemm, tiny_config
+from conftest import CHILD_PRELOAD, needs_batch_invariant_gemm, tiny_config
 from test_faults import outputs
 
 from solrl.stages.context import StageContext
@@ -100,7 +100,7 @@ def test_two_and_four_shards_give_the_one_shard_run_and_leave_no_shard_folder(tm
 
 def run_in_child(store: Path, shards: int, fault: str) -> int | None:
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["solrl.stages.pipeline", "conftest"])
+    context.set_forkserver_preload(CHILD_PRELOAD)
     child = context.Process(target=campaign, args=(str(store), shards, fault))
     child.start()
     child.join(timeout=600)
