@@ -36,16 +36,17 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, get_args
 
 import torch
 from torch import nn
 
+from solrl.config import ModelConfig
+
 log = logging.getLogger("solrl.compile")
 
-CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
-#: ``torch.compile`` modes a config may name (``model.compile_mode``).
-COMPILE_MODES: tuple[str, ...] = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+#: ``torch.compile`` modes a config may name: those of ``model.compile_mode``.
+COMPILE_MODES: tuple[str, ...] = get_args(ModelConfig.model_fields["compile_mode"].annotation)
 
 #: The compiled forward of each (block class, mode), shared by every block of that class (dynamo's cache lives on
 #: the forward's code object), and the (network, block classes, mode) already compiled in this process.
@@ -135,13 +136,12 @@ def compiled_blocks(
     fallback: Sequence[str] = (),
     eager: Callable[[nn.Module], bool] | None = None,
     what: str = "network",
-    on_first_compile: Callable[[str], None] | None = None,
 ) -> Iterator[CompileStats]:
     """Run ``net``'s repeated blocks compiled (``torch.compile(mode=mode)``, batch dimension dynamic) inside the
     context; they are eager again on exit. ``eager(module)`` true: that layer runs uncompiled inside the compiled
     block (compiled around). ``what`` names the network in messages and tells networks apart: the first context of
-    a (``what``, block classes, ``mode``) in this process logs that it compiles, and calls
-    ``on_first_compile(message)`` (the first batch includes the compile).
+    a (``what``, block classes, ``mode``) in this process logs that it compiles on the ``solrl.compile`` logger
+    (the first batch includes the compile; ``solrl.flows.progress.stage_notes`` shows it).
 
     Yields the context's :class:`CompileStats`, completed on exit.
 
@@ -161,8 +161,6 @@ def compiled_blocks(
         if around:
             message += f", {len(around)} {type(around[0]).__name__} layers compiled around"
         log.info("%s; the first batch includes the compile", message)
-        if on_first_compile is not None:
-            on_first_compile(message + "...")
     for layer in around:
         layer.forward = torch.compiler.disable(functools.partial(type(layer).forward, layer))
     for block in blocks:
