@@ -28,6 +28,7 @@ from solrl.flows.progress import stage_notes
 from solrl.flows.progress import start as start_progress
 from solrl.flows.runners import shard_submit_options, shard_task_runner
 from solrl.stages.context import StageContext
+from solrl.stages.guards import guard_trip
 from solrl.stages.pipeline import ITERATION, STAGES, campaign_plan, first_pending, run_shard, run_stage, stage_shards
 from solrl.stages.runnable import check_runnable
 from solrl.stages.sharding import Shard
@@ -287,12 +288,14 @@ def run_campaign(store: str, run_id: str) -> dict[str, float]:
                 if committed == len(stages):
                     metrics = _catch_up(run, iteration, stages, tracker)
                     cockpit.reserve_subflow_key(sol_rl_iteration)
-                    continue
-                # No heartbeat thread per iteration subflow: the campaign's own heartbeat already tells the server
-                # this process lives, and each subflow's thread cost up to 1 s to join at its end.
-                with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
-                    metrics = iteration_flow(store, run_id, iteration, stages, runner is not None, committed)
-                logger.info(progress.summary(iteration))
+                else:
+                    # No heartbeat thread per iteration subflow: the campaign's own heartbeat already tells the
+                    # server this process lives, and each subflow's thread cost up to 1 s to join at its end.
+                    with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+                        metrics = iteration_flow(store, run_id, iteration, stages, runner is not None, committed)
+                    logger.info(progress.summary(iteration))
+                if _guard_stopped(run, iteration, stages, tracker, logger):
+                    break
         except (KeyboardInterrupt, TerminationSignal):  # Ctrl-C; SIGTERM (Prefect raises its TerminationSignal)
             _mark_stopped(tracker, "KILLED", logger)
             raise
@@ -304,6 +307,21 @@ def run_campaign(store: str, run_id: str) -> dict[str, float]:
         _log_report(run, tracker, logger)
         tracker.finish()
     return metrics
+
+
+def _guard_stopped(run: Run, iteration: int, stages: list[str], tracker: Tracker, logger) -> bool:
+    """Under ``campaign.on_guard=stop``, whether the evaluation of ``iteration`` completed a guard streak
+    (``solrl.stages.guards.guard_trip``): then it logs why, tags the MLflow run ``solrl.guard_stop`` and the
+    campaign ends here, cleanly. The verdict comes from the run store, so a resume stops at the same place."""
+    if run.config.campaign.on_guard != "stop" or "evaluate" not in stages:
+        return False
+    trip = guard_trip(run.run_dir, run.config, iteration)
+    if trip is None:
+        return False
+    message = trip.message(run.run_id, str(run.run_dir.parent))
+    logger.warning(message)
+    tracker.set_tag("solrl.guard_stop", message)
+    return True
 
 
 def _committed_count(iteration: int, stages: list[str], pending: tuple[int, str] | None) -> int:

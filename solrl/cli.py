@@ -117,10 +117,28 @@ def _launch(store: str, run_id: str) -> None:
             f"`solrl resume {run_id} --store {store}`",
             1,
         )
-    _report(store, run_id)
+    stop = _guard_stop(store, run_id)
+    _report(store, run_id, "finished" if stop is None else "stopped by its guard")
+    if stop is not None:  # not an error: the campaign ended where it was told to
+        from solrl.stages.guards import GUARD_STOP_EXIT
+
+        typer.echo(f"solrl: {stop}", err=True)
+        raise typer.Exit(GUARD_STOP_EXIT)
 
 
-def _report(store: str, run_id: str) -> None:
+def _guard_stop(store: str, run_id: str) -> str | None:
+    """Why ``campaign.on_guard=stop`` ended the run's campaign (None: it did not)."""
+    from solrl.stages.guards import guard_trip
+    from solrl.storage.runs import open_run
+
+    run = open_run(store, run_id)
+    if run.config.campaign.on_guard != "stop":
+        return None
+    trip = guard_trip(run.run_dir, run.config, run.config.campaign.iterations)
+    return None if trip is None else trip.message(run_id, str(run.run_dir.parent))
+
+
+def _report(store: str, run_id: str, outcome: str = "finished") -> None:
     import json
 
     from solrl.storage.html_report import REPORT_DIR
@@ -137,7 +155,7 @@ def _report(store: str, run_id: str) -> None:
     # One server process and no GenAI job workers (MLflow's default starts about ten processes).
     mlflow_ui = f"MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false mlflow ui --workers 1 --backend-store-uri {uri}"
     typer.echo(
-        f"\nrun {run_id} finished; results in {run.run_dir}\n"
+        f"\nrun {run_id} {outcome}; results in {run.run_dir}\n"
         f"  per-iteration stages: {run.run_dir}/iter_*/<stage>/ (Zarr pools, Parquet tables, checkpoint)\n"
         f"  report:     {run.run_dir / REPORT_DIR / 'report.html'}\n"
         f"  table:      solrl report {run_id} --store {run.run_dir.parent}\n"

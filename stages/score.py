@@ -8,6 +8,7 @@ import numpy as np
 import pandas as pd
 
 from solrl.stages.context import StageContext
+from solrl.stages.guards import fidelity_alarm
 from solrl.stages.metrics.fidelity import group_agreement, rank_agreement
 from solrl.stages.rewards import build_reward, release_rewards, score_all
 from solrl.stages.sharding import WHOLE, Shard
@@ -155,14 +156,11 @@ def _regenerate_summary(
     metrics = _summary("regenerate", bf16) | {f"fidelity/{k_}": v for k_, v in fidelity.items()}
     metrics["fidelity/explore_minus_bf16"] = float((explore_kept - bf16).mean())
     warnings = []
-    bound = ctx.cfg.fidelity.min_spearman
-    if bound is not None and not fidelity["spearman"] >= bound:
+    if (alarm := fidelity_alarm(metrics, ctx.cfg.fidelity.min_spearman, ctx.iteration)) is not None:
         action = (
             "the next iteration explores in bf16"
             if ctx.cfg.fidelity.on_low == "bf16"
             else "explore stays as configured (fidelity.on_low=warn)"
         )
-        warnings.append(
-            f"proxy fidelity Spearman {fidelity['spearman']:.3f} is below fidelity.min_spearman={bound}; {action}"
-        )
+        warnings.append(f"{alarm.message}; {action}")
     return StageOutput(metrics=metrics, info={"warnings": warnings})

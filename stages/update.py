@@ -75,6 +75,7 @@ def load_batch(ctx: StageContext, policy: Policy, samples: Samples, advantages: 
         flat(samples.trajectory),
         flat(samples.log_probs),
         [bool(s) for s in samples.attrs["sde_steps"]],
+        torch.from_numpy(np.asarray(samples.seeds, dtype=np.int64).reshape(-1)),
     )
 
 

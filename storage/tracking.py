@@ -200,5 +200,9 @@ class Tracker:
         with Image.open(path) as image:
             self.client.log_image(self.mlflow_run_id, image.convert("RGB"), key=key, step=step)
 
+    def set_tag(self, key: str, value: str) -> None:
+        """Set a tag of the MLflow run (MLflow keeps at most 8000 characters of a tag value)."""
+        self.client.set_tag(self.mlflow_run_id, key, value[:8000])
+
     def finish(self, status: str = "FINISHED") -> None:
         self.client.set_terminated(self.mlflow_run_id, status=status)

@@ -212,10 +212,17 @@ def test_total_rewards_sums_rewards_and_follows_the_requested_candidate_order():
     np.testing.assert_allclose(out, [[2.25, 1.5], [2.0, 2.0]])
 
 
-def test_flow_grpo_iteration_stores_trajectories_and_starts_exactly_on_policy(tmp_path):
+@pytest.mark.parametrize("guard", [False, True])
+def test_flow_grpo_iteration_stores_trajectories_and_starts_exactly_on_policy(tmp_path, guard):
     from conftest import tiny_config
 
-    cfg = tiny_config(tmp_path, "train.loss=flow_grpo", "regenerate.sde_window=[2, 6]", "train.kl_beta=0.01")
+    cfg = tiny_config(
+        tmp_path,
+        "train.loss=flow_grpo",
+        "regenerate.sde_window=[2, 6]",
+        "train.kl_beta=0.01",
+        f"train.grpo_guard={str(guard).lower()}",
+    )
     run = create_run(cfg, "grpo")
     ctx = StageContext(cfg, run.run_dir, run.run_id, 1)
     for stage in ("explore", "score_explore", "select", "regenerate", "score_regenerate", "update"):
@@ -230,6 +237,9 @@ def test_flow_grpo_iteration_stores_trajectories_and_starts_exactly_on_policy(tm
     assert metrics["train/on_policy_max_dev"] < 1e-4
     assert np.isfinite(metrics["train/loss"]) and metrics["train/kl"] >= 0
     assert 0 <= metrics["train/clip_fraction"] <= 1
+    # GRPO-Guard recovered each step's rollout mean from the seeds (or it would have refused), and after the first
+    # of the 2 optimizer steps the policy mean moved: RatioNorm's shift is then positive; without it, 0.
+    assert (metrics["train/ratio_shift"] > 0) if guard else metrics["train/ratio_shift"] == 0
 
 
 def test_explore_and_regenerate_share_the_sde_noise_path_of_a_seed(tmp_path):
@@ -350,7 +360,7 @@ def test_group_normalisation_standardises_each_reward_within_its_group_before_we
     np.testing.assert_allclose(rewards.totals(order)[0], a + 0.5 * b)  # raw weighted sum by default
 
 
-def test_evaluate_warns_when_grid_artifact_energy_grows_past_the_starting_policys(iteration_one, monkeypatch):
+def test_evaluate_warns_when_grid_artifact_energy_grows_past_the_starting_policys(iteration_one):
     import json
     import shutil
 
@@ -363,7 +373,8 @@ def test_evaluate_warns_when_grid_artifact_energy_grows_past_the_starting_policy
     data["metrics"]["eval/grid_energy"] = 1e-9  # as if the starting policy drew no grid at all
     start.write_text(json.dumps(data))
     shutil.rmtree(stage_dir(ctx.run_dir, 1, "evaluate"))
-    monkeypatch.setattr("solrl.stages.evaluate.GRID_WARN_MIN", 0.0)  # this policy's grid energy is still tiny
+    campaign = ctx.cfg.campaign.model_copy(update={"guard_grid_min": 0.0})  # this policy's grid is still tiny
+    ctx = StageContext(ctx.cfg.model_copy(update={"campaign": campaign}), ctx.run_dir, ctx.run_id, 1)
     manifest, skipped = run_stage(ctx, "evaluate")
     assert not skipped
     assert any("grid-artifact energy" in w and "2-pixel patch period" in w for w in manifest.info["warnings"])

@@ -23,6 +23,7 @@ class Batch:
     trajectory: torch.Tensor | None  # float32 [B, S + 1, C, h, w] (SDE rollouts)
     old_log_probs: torch.Tensor | None  # float32 [B, S] (SDE rollouts)
     sde_steps: list[bool]  # [S]: which rollout steps were stochastic
+    seeds: torch.Tensor | None = None  # int64 [B]: each sample's seed (its initial and SDE step noises)
 
 
 class PolicyLoss:

@@ -1,4 +1,5 @@
-"""The Flow-GRPO policy loss (Liu et al. 2025, eq. 8; PPO clipping, Schulman et al. 2017, eq. 7).
+"""The Flow-GRPO policy loss (Liu et al. 2025, eq. 8; PPO clipping, Schulman et al. 2017, eq. 7), with the
+GRPO-Guard option (Wang et al. 2025, arXiv 2510.22319: RatioNorm and gradient reweighting).
 
 Per sampling step t of a stored SDE trajectory, with the log-prob ``log pi_theta(x_{t+1} | x_t)`` recomputed
 now and the one stored at rollout (``old``)::
@@ -7,6 +8,25 @@ now and the one stored at rollout (``old``)::
     L_clip = mean[ max(-A ratio, -A clamp(ratio, 1 - eps, 1 + eps)) ]
     L_kl   = mean[ ||mu_theta - mu_ref||^2 / (2 std^2) ]   (KL of the two step Gaussians, same std)
     L      = L_clip + kl_beta * L_kl
+
+GRPO-Guard (``train.grpo_guard``). A step is the Gaussian ``N(mu, std^2 I)``, ``std = s(sigma) sqrt(-dt)``, and the
+rollout drew ``x_{t+1} = mu_old + std eps``. With ``Delta = mu_theta - mu_old`` the per-element-mean log-ratio is
+``mean(eps Delta) / std - mean(Delta^2) / (2 std^2)``: its mean is below 0 (the second term) and its spread
+scales as ``1 / std``, which differs by orders of magnitude across timesteps, so a single clip range clips
+positive-advantage samples too late at some steps and never at others (the paper's section 3). The guard:
+
+    b_t         = mean(Delta^2) / (2 std^2)                            (RatioNorm: the mean-shift term)
+    log ratio_t = (log_prob - old_log_prob + b_t) * std                 (centred, and scaled to one spread)
+                = mean(eps Delta)                                       (the same, in closed form)
+    L_clip      = mean[ max(-A ratio_t, -A clamp(ratio_t, 1 - eps, 1 + eps)) / |dt| ]   (gradient reweighting)
+
+``Delta`` is ``dt (1 + a^2 / 2) (v_theta - v_old)`` under Flow-GRPO's ``s(sigma)``, so the gradient of the
+normalised log-ratio scales with ``|dt|``; the ``1 / |dt|`` weight equalises it over the noise levels (the
+paper's gradient reweighting; the same form as Flow-Factory's and verl-omni's GRPO-Guard losses). ``mu_old`` is
+not stored: the step noises come from each sample's seed (``seed_noise``, drawn on the CPU, so the same on
+every device), so ``mu_old = x_{t+1} - std eps`` exactly up to rounding, and it is checked against the stored
+``old_log_prob``. The normalised ratio moves about ``std`` times less than the raw one: a clip range tuned
+without the guard is too wide with it.
 """
 
 from __future__ import annotations
@@ -18,10 +38,15 @@ from solrl.registry import register_loss
 from solrl.stages.losses.base import Batch, PolicyLoss
 from solrl.stages.models.adapter import compute_precision, select_rows
 from solrl.stages.models.policy import Policy
+from solrl.stages.sampling.samplers import seed_noise
 from solrl.stages.sampling.sde import gaussian_log_prob, sde_mean, sde_std
 
 #: Log-ratios are clamped here before ``exp`` so one bad step cannot overflow (the clip makes them irrelevant).
 MAX_LOG_RATIO = 20.0
+#: Largest |log-prob of x_{t+1} under the recovered rollout mean - the stored old log-prob| (nats per element)
+#: accepted before GRPO-Guard refuses the trajectory: float32 rounding of ``x_{t+1} - std eps`` stays orders of
+#: magnitude below it; a trajectory not sampled from its seeds' noise is far above it.
+OLD_MEAN_TOLERANCE = 1e-3
 
 
 def grpo_loss(
@@ -34,30 +59,51 @@ def grpo_loss(
     ref_mean: torch.Tensor | None = None,
     std: torch.Tensor | None = None,
     kl_beta: float = 0.0,
+    old_mean: torch.Tensor | None = None,
+    dt: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped policy-gradient loss for one step of a batch of trajectories.
+    """Clipped policy-gradient loss for one step of a batch of trajectories; GRPO-Guard when ``old_mean`` is
+    given (module docstring: RatioNorm, then the ``1 / |dt|`` gradient reweighting).
 
     Args:
-        log_prob: ``[B]`` recomputed step log-prob (with grad); old_log_prob: ``[B]`` stored at rollout.
+        log_prob: ``[B]`` recomputed step log-prob (with grad), float32 nats, the mean over elements;
+            old_log_prob: ``[B]`` stored at rollout.
         advantages: ``[B]``.
         clip_range: PPO epsilon (> 0; Flow-GRPO / DESIGN: 1e-4).
-        mean, ref_mean: step means ``[B, ...]`` of the policy and the reference (adapter off), for the KL term.
-        std: ``[B]`` the step std; kl_beta: weight of the KL term (0 disables it).
+        mean: the policy's step means ``[B, ...]`` (with grad); ref_mean: the reference's (adapter off), for the
+            KL term.
+        std: ``[B]`` the step std ``s(sigma) sqrt(-dt)``; kl_beta: weight of the KL term (0 disables it).
+        old_mean: ``[B, ...]`` the rollout policy's step means: turns GRPO-Guard on (needs mean, std and dt).
+        dt: ``[B]`` the step's ``sigma - sigma_next`` (> 0), for GRPO-Guard's reweighting.
 
     Returns:
-        (scalar loss, detached terms: policy_loss, kl, clip_fraction, ratio_mean, approx_kl).
+        (scalar loss, detached terms: policy_loss, kl, clip_fraction, ratio_mean, approx_kl, ratio_shift, the
+        mean of ``b_t std`` added to the scaled log-ratio by RatioNorm: 0 without the guard).
 
     Raises:
-        ValueError: ``clip_range <= 0``, or ``kl_beta > 0`` without mean, ref_mean and std.
+        ValueError: ``clip_range <= 0``, ``kl_beta > 0`` without mean, ref_mean and std, or ``old_mean`` without
+        mean, std and a positive dt.
     """
     if clip_range <= 0:
         raise ValueError(f"clip_range must be > 0, got {clip_range}")
-    log_ratio = (log_prob.float() - old_log_prob.float()).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    log_ratio = log_prob.float() - old_log_prob.float()
+    weight = torch.ones_like(log_ratio)
+    shift = torch.zeros_like(log_ratio)
+    if old_mean is not None:
+        if mean is None or std is None or dt is None or not bool((dt > 0).all()):
+            raise ValueError("GRPO-Guard needs the policy's step means, the step std and a positive dt")
+        dims = tuple(range(1, mean.ndim))
+        scale = std.float()
+        bias = ((mean.float() - old_mean.float()) ** 2).mean(dim=dims) / (2 * scale**2)  # b_t, [B]
+        log_ratio = (log_ratio + bias) * scale
+        shift = (bias * scale).detach()
+        weight = 1 / dt.float()
+    log_ratio = log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     ratio = torch.exp(log_ratio)
     adv = advantages.float()
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1 - clip_range, 1 + clip_range)
-    policy_loss = torch.maximum(unclipped, clipped).mean()
+    policy_loss = (weight * torch.maximum(unclipped, clipped)).mean()
     kl = torch.zeros((), device=log_prob.device)
     if kl_beta > 0:
         if mean is None or ref_mean is None or std is None:
@@ -73,6 +119,7 @@ def grpo_loss(
             "clip_fraction": ((ratio - 1).abs() > clip_range).float().mean().item(),
             "ratio_mean": ratio.mean().item(),
             "approx_kl": (0.5 * log_ratio**2).mean().item(),
+            "ratio_shift": shift.mean().item(),
         }
     return loss, terms
 
@@ -156,6 +203,7 @@ class FlowGRPO(PolicyLoss):
         log_prob = gaussian_log_prob(x_next, mean, std)  # fp32
         ref_mean = None if v_ref is None else sde_mean(x_t, v_ref, sigma, sigma_next, noise_level, sigma_max)
         old = batch.old_log_probs[mb, t_index]
+        old_mean = rollout_mean(batch, mb, t_index, std, old) if tc.grpo_guard else None
         loss, terms = grpo_loss(
             log_prob,
             old,
@@ -165,5 +213,34 @@ class FlowGRPO(PolicyLoss):
             ref_mean=ref_mean,
             std=std,
             kl_beta=tc.kl_beta,
+            old_mean=old_mean,
+            dt=(sigma - sigma_next).float(),
         )
         return loss, terms, (log_prob.detach() - old).abs().max().item()
+
+
+def rollout_mean(
+    batch: Batch, rows: slice, t_index: int, std: torch.Tensor, old_log_prob: torch.Tensor
+) -> torch.Tensor:
+    """The rollout policy's mean ``mu_old`` of step ``t_index`` for ``rows`` of ``batch``, float32 ``[n, C, h, w]``:
+    ``x_{t+1} - std eps``, with ``eps`` the step's draw of each sample's seed (``seed_noise``, drawn as
+    ``sample_sde`` drew it).
+
+    Raises:
+        ValueError: the batch has no seeds. RuntimeError: the recovered mean does not reproduce the stored
+        old log-probs within ``OLD_MEAN_TOLERANCE`` (the trajectory was not sampled from its seeds' noise).
+    """
+    if batch.seeds is None or batch.trajectory is None:
+        raise ValueError("train.grpo_guard needs each sample's seed and its stored SDE trajectory")
+    x_next = batch.trajectory[rows, t_index + 1]
+    steps = batch.trajectory.shape[1]  # S + 1 draws: the initial noise, then one per step
+    eps = seed_noise(batch.seeds[rows].tolist(), tuple(x_next.shape[1:]), steps, x_next.device)[:, t_index + 1]
+    old_mean = x_next.float() - std.float().reshape(-1, *([1] * (x_next.ndim - 1))) * eps
+    deviation = (gaussian_log_prob(x_next, old_mean, std) - old_log_prob.float()).abs().max().item()
+    if not deviation <= OLD_MEAN_TOLERANCE:
+        raise RuntimeError(
+            f"train.grpo_guard: the rollout mean recovered from the seeds' noise at step {t_index} gives log-probs "
+            f"{deviation:.3g} nats from the stored ones (tolerance {OLD_MEAN_TOLERANCE}): these trajectories were not "
+            f"sampled from their seeds' noise by solrl's SDE sampler; rerun the stage that sampled them"
+        )
+    return old_mean

@@ -1,0 +1,170 @@
+"""Reward-hacking guards: the alarms an evaluation or a proxy-fidelity check raises, and when a campaign stops.
+
+A training reward can be gamed (DESIGN 5): the evaluator keeps rising while the samples lose variety or grow a
+texture at the transformer's patch period. Each alarm compares one measure with the starting policy's
+(iteration 0) or with a bound:
+
+- ``diversity``: the evaluation's sample diversity below ``campaign.guard_diversity`` x the start's;
+- ``grid_energy``: the spectral power on the patch-period lattice above ``campaign.guard_grid_factor`` x the
+  start's and above ``campaign.guard_grid_min``;
+- ``proxy_fidelity``: the kept seeds' explore/BF16 Spearman rho below ``fidelity.min_spearman`` at any
+  iteration since the previous evaluation.
+
+Alarms are computed from the committed manifests' metrics alone, so a resumed campaign reaches the same
+verdict as the uninterrupted one. ``campaign.on_guard=stop`` ends the campaign once one measure has alarmed at
+``campaign.guard_patience`` evaluations in a row (``guard_trip``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from solrl.config import CampaignConfig, RunConfig
+from solrl.storage.stage import read_manifest
+
+#: Exit code of ``solrl run`` / ``resume`` when ``campaign.on_guard=stop`` ended the campaign.
+GUARD_STOP_EXIT = 3
+
+
+@dataclass(frozen=True)
+class Alarm:
+    """One measure out of bounds at one iteration."""
+
+    measure: str  # diversity | grid_energy | proxy_fidelity
+    iteration: int
+    value: float
+    bound: float  # the value past which the alarm fires
+    message: str  # what is wrong, by how much, and where to look
+
+
+def evaluation_alarms(
+    metrics: dict[str, float],
+    start: dict[str, float] | None,
+    iteration: int,
+    bounds: CampaignConfig,
+    period: int | None = None,
+) -> list[Alarm]:
+    """The alarms of an evaluation's metrics (``eval/diversity``, ``eval/grid_energy``) against the starting
+    policy's evaluation ``start`` (None at iteration 0: no alarm), with the bounds ``campaign.guard_*`` of
+    ``bounds``; ``period`` the patch period in pixels, named in the grid alarm's message."""
+    if start is None:
+        return []
+    alarms = []
+    diversity, diversity_start = metrics.get("eval/diversity"), start.get("eval/diversity")
+    if diversity is not None and diversity_start:
+        bound = bounds.guard_diversity * diversity_start
+        if diversity < bound:
+            alarms.append(
+                Alarm(
+                    "diversity",
+                    iteration,
+                    diversity,
+                    bound,
+                    f"sample diversity {diversity:.4f} is {1 - diversity / diversity_start:.0%} below the starting "
+                    f"policy's {diversity_start:.4f} (alarm below {bounds.guard_diversity:.0%} of it, {bound:.4f}): "
+                    f"the training reward may be gamed; look at samples.png and the other rewards",
+                )
+            )
+    grid, grid_start = metrics.get("eval/grid_energy"), start.get("eval/grid_energy")
+    if grid is not None and grid_start:
+        bound = max(bounds.guard_grid_factor * grid_start, bounds.guard_grid_min)
+        if grid > bound:
+            texture = f"a texture at the {period}-pixel patch period" if period else "a texture at the patch period"
+            alarms.append(
+                Alarm(
+                    "grid_energy",
+                    iteration,
+                    grid,
+                    bound,
+                    f"grid-artifact energy {grid:.4f} is {grid / grid_start:.1f}x the starting policy's "
+                    f"{grid_start:.5f} (alarm above {bounds.guard_grid_factor:g}x it and {bounds.guard_grid_min:g}): "
+                    f"the policy may be learning {texture}; look at samples.png",
+                )
+            )
+    return alarms
+
+
+def fidelity_alarm(metrics: dict[str, float], min_spearman: float | None, iteration: int) -> Alarm | None:
+    """The proxy-fidelity alarm of a score_regenerate stage's metrics (None: within bounds, or no bound set)."""
+    rho = metrics.get("fidelity/spearman")
+    if min_spearman is None or rho is None or rho >= min_spearman:
+        return None
+    return Alarm(
+        "proxy_fidelity",
+        iteration,
+        rho,
+        min_spearman,
+        f"proxy fidelity Spearman {rho:.3f} is below fidelity.min_spearman={min_spearman}: the explore copy no "
+        f"longer ranks the pool as the BF16 policy does",
+    )
+
+
+@dataclass(frozen=True)
+class GuardTrip:
+    """A measure that alarmed at ``campaign.guard_patience`` evaluations in a row."""
+
+    measure: str
+    alarms: list[Alarm]  # one per evaluation of the streak, oldest first
+    last_good: int  # the last evaluated iteration before the streak (0: the starting policy, no checkpoint)
+    patience: int
+    evaluated: list[int] = field(default_factory=list)  # the streak's evaluated iterations
+
+    @property
+    def iteration(self) -> int:
+        """The iteration whose evaluation completed the streak: the campaign ends after its checkpoint."""
+        return self.evaluated[-1]
+
+    def message(self, run_id: str, store: str) -> str:
+        """What tripped, by how much, where the campaign stopped and which checkpoint to export."""
+        where = ", ".join(str(i) for i in self.evaluated)
+        if self.last_good == 0:
+            export = "the last policy before it is the starting policy (iteration 0, no checkpoint to export)"
+        else:
+            export = (
+                f"the last checkpoint before it is iteration {self.last_good}: "
+                f"`solrl export {run_id} --iteration {self.last_good} --store {store}`"
+            )
+        return (
+            f"guard stop (campaign.on_guard=stop): {self.measure} alarmed at {len(self.alarms)} evaluation(s) in a row "
+            f"(iteration {where}; campaign.guard_patience={self.patience}): {self.alarms[-1].message}. The campaign "
+            f"ended at iteration {self.iteration}'s checkpoint; {export}"
+        )
+
+
+def iteration_alarms(run_dir: Path, cfg: RunConfig, up_to: int) -> dict[int, list[Alarm]]:
+    """The alarms of every evaluated iteration ``1..up_to`` with a committed evaluation, in order: its own
+    evaluation's, plus a proxy-fidelity alarm of any iteration since the previous evaluation."""
+    start_manifest = read_manifest(run_dir, 0, "evaluate")
+    start = start_manifest.metrics if start_manifest is not None else None
+    found: dict[int, list[Alarm]] = {}
+    fidelity: list[Alarm] = []
+    for iteration in range(1, up_to + 1):
+        scored = read_manifest(run_dir, iteration, "score_regenerate")
+        if scored is not None and (alarm := fidelity_alarm(scored.metrics, cfg.fidelity.min_spearman, iteration)):
+            fidelity.append(alarm)
+        evaluated = read_manifest(run_dir, iteration, "evaluate")
+        if evaluated is None:
+            continue
+        period = evaluated.info.get("grid_period")
+        found[iteration] = evaluation_alarms(evaluated.metrics, start, iteration, cfg.campaign, period) + fidelity[-1:]
+        fidelity = []
+    return found
+
+
+def guard_trip(run_dir: Path, cfg: RunConfig, up_to: int) -> GuardTrip | None:
+    """The first measure that alarmed at ``campaign.guard_patience`` consecutive evaluations among iterations
+    ``1..up_to`` (None: none did). Ties at one evaluation go to the measure named first in the alarms."""
+    patience = cfg.campaign.guard_patience
+    streaks: dict[str, list[tuple[int, Alarm]]] = {}  # measure -> (evaluated iteration, its alarm), in a row
+    evaluated = [0]
+    for iteration, alarms in iteration_alarms(run_dir, cfg, up_to).items():
+        # a measure not alarmed at this evaluation starts again from nothing
+        streaks = {a.measure: [*streaks.get(a.measure, []), (iteration, a)] for a in alarms}
+        evaluated.append(iteration)
+        for measure, streak in streaks.items():
+            if len(streak) >= patience:
+                streak = streak[-patience:]
+                before = evaluated[evaluated.index(streak[0][0]) - 1]
+                return GuardTrip(measure, [a for _, a in streak], before, patience, [i for i, _ in streak])
+    return None
