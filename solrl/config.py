@@ -279,6 +279,11 @@ class CampaignConfig(_Section):
         1, ge=1, description="Evaluate the rollout policy every N iterations (and before the first)."
     )
     eval_steps: int | None = Field(None, ge=1, description="Sampling steps of the evaluation; null = regenerate.steps.")
+    eval_adapter: Literal["rollout", "ema", "policy"] = Field(
+        "rollout",
+        description="The policy the evaluation samples: the rollout policy (what explore and regenerate sample), "
+        "the EMA of the policy (train.ema_decay), or the policy itself.",
+    )
     seed: int = Field(42, ge=0, description="Run seed; every candidate seed derives from it.")
     stage_retries: int = Field(1, ge=0, description="Prefect retries of a failed stage task.")
     shards: int = Field(

@@ -1,5 +1,5 @@
-"""Evaluation: held-out alignment of the BF16 rollout policy on fixed prompts and seeds, every reward, and
-sample diversity (the training reward alone can be gamed: DESIGN 5)."""
+"""Evaluation: held-out alignment of the BF16 rollout policy (or its EMA, ``campaign.eval_adapter``) on fixed prompts
+and seeds, every reward, and sample diversity (the training reward alone can be gamed: DESIGN 5)."""
 
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ GRID = "samples.png"
 
 def evaluate(ctx: StageContext, out: Path, trained: TrainedPolicy | None, *, shard: Shard = WHOLE) -> StageOutput:
     """Sample every evaluation prompt with ``campaign.eval_seeds`` fixed seeds (the same every iteration) at
-    ``campaign.eval_steps`` (default ``regenerate.steps``) with the rollout policy of this iteration's
-    checkpoint ``trained`` (iteration 0: the base model), and score them with every reward of
+    ``campaign.eval_steps`` (default ``regenerate.steps``) with the ``campaign.eval_adapter`` (the rollout policy,
+    its EMA or the policy) of this iteration's checkpoint ``trained`` (iteration 0: the base model), and score them with every reward of
     ``reward.evaluate`` and ``reward.weights`` (the trained ones are always reported).
 
     Writes ``EvalSamples`` (images ``[P, S, H, W, 3]``, seeds), ``EvalMetrics`` (per prompt and reward) and
@@ -43,10 +43,13 @@ def evaluate(ctx: StageContext, out: Path, trained: TrainedPolicy | None, *, sha
     )
     policy = ctx.load_policy(trained)
     flat = [p for p in prompts for _ in range(S)]
-    with sampling_network(policy, "bf16", compile=ctx.cfg.regenerate.compile, mode=ctx.cfg.model.compile_mode) as (
-        net,
-        compiled,
-    ):
+    with sampling_network(
+        policy,
+        "bf16",
+        compile=ctx.cfg.regenerate.compile,
+        mode=ctx.cfg.model.compile_mode,
+        adapter=ctx.cfg.campaign.eval_adapter,
+    ) as (net, compiled):
         samples = generate(
             policy.model,
             net,

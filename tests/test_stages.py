@@ -434,3 +434,19 @@ def test_an_update_step_whose_grad_norm_spikes_is_skipped_counted_and_warned(tmp
     before = load_checkpoint(stage_dir(run.run_dir, 1, "checkpoint"))[0]["policy"]
     after = load_checkpoint(stage_dir(run.run_dir, 2, "checkpoint"))[0]["policy"]
     assert all(torch.equal(before[k], after[k]) for k in before)  # nothing applied
+
+
+def test_the_evaluation_samples_the_adapter_it_is_told_to(tmp_path):
+    """``campaign.eval_adapter``: the rollout policy (default), its EMA or the policy, at full precision only."""
+    from conftest import tiny_config
+
+    from solrl.stages.quant.backends import sampling_network
+
+    policy = StageContext(tiny_config(tmp_path), tmp_path, "x", 1).load_policy(None)
+    for adapter in ("rollout", "ema", "policy"):
+        with sampling_network(policy, "bf16", adapter=adapter) as (net, _):
+            assert net.active_adapters() == [adapter]
+    assert policy.transformer.active_adapters() == ["policy"]  # restored on exit
+    with pytest.raises(ValueError, match="samples the rollout policy only, not the ema adapter"):
+        with sampling_network(policy, "nvfp4_emulated", adapter="ema"):
+            pass

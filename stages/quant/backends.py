@@ -173,16 +173,24 @@ def sampling_network(
     mode: str = "default",
     min_dim: int = 0,
     activation_scale: str = "sample",
+    adapter: str = "rollout",
 ) -> Iterator[tuple[nn.Module, CompileStats | None]]:
     """``rollout_network`` with, when ``compile``, its transformer's repeated blocks compiled for the duration
     (``solrl.stages.sampling.compiled.compiled_blocks``; the backend's ``eager_layer`` compiled around). Yields
-    ``(network, stats)``; stats is None without compile, and complete once the context exits.
+    ``(network, stats)``; stats is None without compile, and complete once the context exits. ``adapter``
+    (``rollout``, ``ema`` or ``policy``; full precision only) samples another of the policy's adapters.
 
     Raises:
-        ValueError: as ``rollout_network``; an unknown ``mode``; a transformer with no repeated blocks.
+        ValueError: as ``rollout_network``; an unknown ``mode``; a transformer with no repeated blocks; an adapter
+        other than the rollout at a low precision.
     """
     backend = EXPLORE_BACKENDS.get(precision)
-    with rollout_network(policy, precision, min_dim, activation_scale) as net:
+    if adapter != "rollout" and backend.low_precision:
+        raise ValueError(f"the {precision} explore copy samples the rollout policy only, not the {adapter} adapter")
+    network = (
+        rollout_network(policy, precision, min_dim, activation_scale) if adapter == "rollout" else policy.using(adapter)
+    )
+    with network as net:
         if not compile:
             yield net, None
             return
