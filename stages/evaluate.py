@@ -28,8 +28,8 @@ GRID = "samples.png"
 def evaluate(ctx: StageContext, out: Path, trained: TrainedPolicy | None, *, shard: Shard = WHOLE) -> StageOutput:
     """Sample every evaluation prompt with ``campaign.eval_seeds`` fixed seeds (the same every iteration) at
     ``campaign.eval_steps`` (default ``regenerate.steps``) with the ``campaign.eval_adapter`` (the rollout policy,
-    its EMA or the policy) of this iteration's checkpoint ``trained`` (iteration 0: the base model), and score them with every reward of
-    ``reward.evaluate`` and ``reward.weights`` (the trained ones are always reported).
+    its EMA or the policy) of this iteration's checkpoint ``trained`` (iteration 0: the base model), and score
+    them with every reward of ``reward.evaluate`` and ``reward.weights`` (the trained ones are always reported).
 
     Writes ``EvalSamples`` (images ``[P, S, H, W, 3]``, seeds), ``EvalMetrics`` (per prompt and reward) and
     ``samples.png``. With ``shard``, only its prompts' samples and table (``reduce_evaluate`` does the rest).
