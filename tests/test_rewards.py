@@ -286,3 +286,21 @@ def test_imagereward_without_its_package_is_refused_where_work_starts_naming_the
         ConfigError, match=r"reward imagereward needs the ImageReward package: pip install 'solrl\[imagereward\]'"
     ):
         check_runnable(cfg)
+
+
+def test_metadata_of_the_wrong_shape_says_what_does_not_match_and_the_form_expected(images):
+    """Tried as a new user would (issue 19): 3 images, 3 prompts and metadata as a dict of lists once said
+    ``reward ocr: 3 images but 3 prompts``."""
+    ocr = build_reward("ocr")
+    three, prompts = images[:3], ['a sign that says "hi"'] * 3
+    with pytest.raises(ValueError) as caught:
+        ocr(three, prompts, {"text": ["hi", "hi", "hi"]})
+    message = str(caught.value)
+    assert "metadata is one dict of columns ('text'), not one dict per image" in message
+    assert "give metadata as a list of 3 dicts, one per image" in message
+    with pytest.raises(ValueError, match="3 images but 2 metadata entries; give metadata as a list of 3 dicts"):
+        ocr(three, prompts, [{"text": "hi"}] * 2)
+    with pytest.raises(ValueError, match="metadata entry 1 is a str, not a dict"):
+        ocr(three, prompts, [{"text": "hi"}, "hi", {"text": "hi"}])
+    with pytest.raises(ValueError, match="3 images but 2 prompts; give one prompt per image"):
+        ocr(three, prompts[:2])

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -113,15 +113,15 @@ class Reward:
         """Score images uint8 ``[B, H, W, 3]`` with ``len(prompts) == B`` -> float32 ``[B]``, batch by batch.
 
         Raises:
-            ValueError: images are not uint8 ``[B, H, W, 3]``, or prompts (metadata) do not match them.
+            ValueError: images are not uint8 ``[B, H, W, 3]``, or prompts or metadata do not match them
+            (``check_alignment``).
         """
         images = np.asarray(images)
         if images.dtype != np.uint8 or images.ndim != 4 or images.shape[-1] != 3:
             raise ValueError(
                 f"reward {self.name}: expected uint8 images [B, H, W, 3], got {images.dtype} {images.shape}"
             )
-        if len(prompts) != len(images) or (metadata is not None and len(metadata) != len(images)):
-            raise ValueError(f"reward {self.name}: {len(images)} images but {len(prompts)} prompts")
+        check_alignment(self.name, len(images), prompts, metadata)
         size = self.options.batch_size
         parts = []
         with torch.no_grad():
@@ -134,6 +134,30 @@ class Reward:
                     scores = scores.detach().float().cpu().numpy()
                 parts.append(np.asarray(scores, dtype=np.float32).reshape(-1))
         return np.concatenate(parts) if parts else np.zeros(0, np.float32)
+
+
+def check_alignment(name: str, count: int, prompts: Sequence[str], metadata: Metadata) -> None:
+    """That ``count`` images come with one prompt each and, when given, one metadata dict each.
+
+    Raises:
+        ValueError: naming what does not match and the form expected: a prompt count, a metadata count, metadata
+        given as one dict of lists (columns) instead of a list of dicts (one per image), or an entry not a dict.
+    """
+    if len(prompts) != count:
+        raise ValueError(f"reward {name}: {count} images but {len(prompts)} prompts; give one prompt per image")
+    if metadata is None:
+        return
+    expected = f"give metadata as a list of {count} dicts, one per image (e.g. [{{'text': ...}}, ...])"
+    if isinstance(metadata, Mapping):
+        columns = ", ".join(f"{key!r}" for key in list(metadata)[:4])
+        raise ValueError(
+            f"reward {name}: metadata is one dict of columns ({columns}), not one dict per image; {expected}"
+        )
+    if len(metadata) != count:
+        raise ValueError(f"reward {name}: {count} images but {len(metadata)} metadata entries; {expected}")
+    for i, entry in enumerate(metadata):
+        if not isinstance(entry, Mapping):
+            raise ValueError(f"reward {name}: metadata entry {i} is a {type(entry).__name__}, not a dict; {expected}")
 
 
 #: Rewards built in this process: (name, options JSON, device) -> reward.
