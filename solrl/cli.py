@@ -141,11 +141,13 @@ def _guard_stop(store: str, run_id: str) -> str | None:
 def _report(store: str, run_id: str, outcome: str = "finished") -> None:
     import json
 
+    from solrl.stages.guards import evaluation_summary
     from solrl.storage.html_report import REPORT_DIR
     from solrl.storage.runs import open_run
     from solrl.storage.tracking import TRACKING_FILE, experiment_url, tracking_uri
 
     run = open_run(store, run_id)
+    summary = evaluation_summary(run.run_dir, run.config.campaign.iterations)
     uri = tracking_uri(run.config, run.run_dir.parent)
     try:
         experiment = json.loads((run.run_dir / TRACKING_FILE).read_text())["experiment_id"]
@@ -156,7 +158,8 @@ def _report(store: str, run_id: str, outcome: str = "finished") -> None:
     mlflow_ui = f"MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false mlflow ui --workers 1 --backend-store-uri {uri}"
     typer.echo(
         f"\nrun {run_id} {outcome}; results in {run.run_dir}\n"
-        f"  per-iteration stages: {run.run_dir}/iter_*/<stage>/ (Zarr pools, Parquet tables, checkpoint)\n"
+        + (f"  evaluated:  {summary}\n" if summary else "")
+        + f"  per-iteration stages: {run.run_dir}/iter_*/<stage>/ (Zarr pools, Parquet tables, checkpoint)\n"
         f"  report:     {run.run_dir / REPORT_DIR / 'report.html'}\n"
         f"  table:      solrl report {run_id} --store {run.run_dir.parent}\n"
         f"  LoRA:       solrl export {run_id} --store {run.run_dir.parent} --out <folder>\n"

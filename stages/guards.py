@@ -168,3 +168,28 @@ def guard_trip(run_dir: Path, cfg: RunConfig, up_to: int) -> GuardTrip | None:
                 before = evaluated[evaluated.index(streak[0][0]) - 1]
                 return GuardTrip(measure, [a for _, a in streak], before, patience, [i for i, _ in streak])
     return None
+
+
+def evaluation_summary(run_dir: Path, up_to: int) -> str | None:
+    """One line: the last committed evaluation among iterations ``1..up_to`` against the starting policy's, every
+    evaluated reward, then sample diversity (change) and grid energy (multiple), the guards' measures. None
+    before a second evaluation exists."""
+    start = read_manifest(run_dir, 0, "evaluate")
+    last = next((i for i in range(up_to, 0, -1) if read_manifest(run_dir, i, "evaluate") is not None), None)
+    if start is None or last is None:
+        return None
+    now = read_manifest(run_dir, last, "evaluate")
+    assert now is not None  # found a moment ago
+    parts = []
+    for key, value in now.metrics.items():
+        if not key.startswith("eval/") or key in ("eval/diversity", "eval/grid_energy"):
+            continue
+        before = start.metrics.get(key)
+        parts.append(f"{key[5:]} {value:.3f}" + (f" (start {before:.3f})" if before is not None else ""))
+    diversity, diversity_start = now.metrics.get("eval/diversity"), start.metrics.get("eval/diversity")
+    if diversity is not None and diversity_start:
+        parts.append(f"diversity {diversity:.3f} ({diversity / diversity_start - 1:+.0%} vs start)")
+    grid, grid_start = now.metrics.get("eval/grid_energy"), start.metrics.get("eval/grid_energy")
+    if grid is not None and grid_start:
+        parts.append(f"grid energy {grid:.5f} ({grid / grid_start:.1f}x start)")
+    return f"iteration {last}: " + ", ".join(parts)

@@ -68,6 +68,19 @@ def test_a_measure_must_alarm_at_patience_evaluations_in_a_row(tmp_path: Path):
     assert guard_trip(run_dir, _cfg(tmp_path, "campaign.guard_patience=4"), 6) is None
 
 
+def test_the_last_evaluation_is_summarised_against_the_start(tmp_path: Path):
+    from solrl.stages.guards import evaluation_summary
+
+    run_dir = tmp_path / "r"
+    assert evaluation_summary(run_dir, 3) is None
+    _evaluations(run_dir, [0.001, 0.0015], diversity=[0.19, 0.17])
+    (stage_dir(run_dir, 2, "evaluate") / MANIFEST).unlink()  # not committed: the last evaluation is 1
+    assert (
+        evaluation_summary(run_dir, 3)
+        == "iteration 1: diversity 0.190 (-5% vs start), grid energy 0.00100 (1.0x start)"
+    )
+
+
 def test_a_streak_from_the_first_evaluation_leaves_the_starting_policy_and_another_measure_resets_nothing(
     tmp_path: Path,
 ):
@@ -125,6 +138,7 @@ def test_on_guard_stop_ends_the_unregularised_preset_at_its_first_sustained_alar
     assert line.startswith("solrl: guard stop (campaign.on_guard=stop): grid_energy alarmed at 2 evaluation(s)")
     assert f"ended at iteration {stopped}'s checkpoint" in line and "x the starting policy's" in line
     assert "2-pixel patch period" in line
+    assert f"evaluated:  iteration {stopped}: digit_alignment " in result.stdout and "x start)" in result.stdout
     assert read_manifest(run.run_dir, stopped, "checkpoint") is not None
     assert read_manifest(run.run_dir, stopped + 1, "explore") is None  # nothing of a later iteration
     tracked = mlflow.MlflowClient(f"sqlite:///{store / 'mlflow.db'}").search_runs(["1"])[0]

@@ -283,11 +283,17 @@ def test_baseline_presets_load(preset):
     assert cfg.train.loss == ("flow_grpo" if preset.endswith("flow-grpo") else "nft")
 
 
-@pytest.mark.parametrize("loss", ["nft", "flow_grpo"])
-def test_without_regenerate_the_update_trains_on_the_kept_explore_samples(tmp_path, loss):
+@pytest.mark.parametrize(("loss", "guard"), [("nft", False), ("flow_grpo", False), ("flow_grpo", True)])
+def test_without_regenerate_the_update_trains_on_the_kept_explore_samples(tmp_path, loss, guard):
     from conftest import tiny_config
 
-    cfg = tiny_config(tmp_path, "regenerate.enabled=false", f"train.loss={loss}", "explore.steps=10")
+    cfg = tiny_config(
+        tmp_path,
+        "regenerate.enabled=false",
+        f"train.loss={loss}",
+        "explore.steps=10",
+        f"train.grpo_guard={str(guard).lower()}",  # the explore copy's rollout means come back from the seeds too
+    )
     run = create_run(cfg, f"naive-{loss}")
     ctx = StageContext(cfg, run.run_dir, run.run_id, 1)
     for stage in ("explore", "score_explore", "select", "regenerate", "score_regenerate", "update"):

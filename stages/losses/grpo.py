@@ -13,7 +13,7 @@ GRPO-Guard (``train.grpo_guard``). A step is the Gaussian ``N(mu, std^2 I)``, ``
 rollout drew ``x_{t+1} = mu_old + std eps``. With ``Delta = mu_theta - mu_old`` the per-element-mean log-ratio is
 ``mean(eps Delta) / std - mean(Delta^2) / (2 std^2)``: its mean is below 0 (the second term) and its spread
 scales as ``1 / std``, which differs by orders of magnitude across timesteps, so a single clip range clips
-positive-advantage samples too late at some steps and never at others (the paper's section 3). The guard:
+positive-advantage samples too late at some steps and never at others (the paper's analysis). The guard:
 
     b_t         = mean(Delta^2) / (2 std^2)                            (RatioNorm: the mean-shift term)
     log ratio_t = (log_prob - old_log_prob + b_t) * std                 (centred, and scaled to one spread)
