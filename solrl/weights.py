@@ -105,13 +105,36 @@ PUBLISHED: dict[str, PublishedWeights] = {
 }
 
 
+#: Other published checkpoints of a family (``PUBLISHED`` holds the one its presets were first written for).
+PUBLISHED_VARIANTS: dict[str, tuple[PublishedWeights, ...]] = {
+    "sd3": (
+        PublishedWeights(
+            "stabilityai/stable-diffusion-3.5-medium",
+            "https://huggingface.co/stabilityai/stable-diffusion-3.5-medium (gated: accept the licence)",
+        ),
+    ),
+}
+
+
+def published_weights(family: str, path: str | None) -> PublishedWeights | None:
+    """The published checkpoint ``model.path`` names: a variant of the family whose hub id is the path, or whose
+    repository name is the path's last folder (a local copy); else the family's ``PUBLISHED`` entry (None for a
+    family that has none)."""
+    if path:
+        name = Path(path).expanduser().name
+        for variant in PUBLISHED_VARIANTS.get(family, ()):
+            if path == variant.hub_id or name == variant.hub_id.rsplit("/", 1)[-1]:
+                return variant
+    return PUBLISHED.get(family)
+
+
 def check_published_weights(model: ModelConfig) -> None:
-    """The weights check of a published family (``PUBLISHED``), before anything imports torch; nothing for
-    other families (their adapter checks after its import).
+    """The weights check of a published family (``published_weights``), before anything imports torch; nothing
+    for other families (their adapter checks after its import).
 
     Raises:
         ConfigError: as ``PublishedWeights.check``.
     """
-    published = PUBLISHED.get(model.family)
+    published = published_weights(model.family, model.path)
     if published is not None:
         published.check(model.family, model.path)

@@ -79,6 +79,12 @@ def test_the_exported_lora_loads_into_the_stock_pipeline_and_samples_as_the_poli
     policy = trained_policy(cfg, rank=4, alpha=8.0)
     family_cls = model_family(cfg.model)
     save_diffusers_lora(policy, "policy", family_cls.pipeline_class, tmp_path / "lora")
+    if family == "tiny-sd3":  # the joint attention only: MMDiT-X's second attention stays frozen (as the peers)
+        from safetensors.torch import load_file
+
+        keys = list(load_file(tmp_path / "lora" / LORA_WEIGHTS))
+        assert any(".attn.to_q." in k for k in keys) and any(".attn.add_q_proj." in k for k in keys)
+        assert not any(".attn2." in k for k in keys)
 
     pipe = getattr(diffusers, family_cls.pipeline_class).from_pretrained(family_cls.weights_dir(cfg.model))
     pipe.set_progress_bar_config(disable=True)
@@ -138,6 +144,7 @@ def test_two_iteration_campaign_through_the_prefect_flow_with_nvfp4_explore(tmp_
         ("sana-1600m", "huggingface.co/Efficient-Large-Model/Sana_1600M_1024px_diffusers"),
         ("flux1-dev", "huggingface.co/black-forest-labs/FLUX.1-dev"),
         ("sd35-large", "huggingface.co/stabilityai/stable-diffusion-3.5-large"),
+        ("sd35-medium", "huggingface.co/stabilityai/stable-diffusion-3.5-medium"),
     ],
 )
 def test_a_real_preset_without_its_weights_exits_2_naming_the_path_and_where_they_are_published(
@@ -253,3 +260,15 @@ def test_a_run_with_cached_prompt_embeddings_loads_no_text_encoder_and_recovers_
     assert cache.stat().st_size > 100  # rewritten
     context._POLICIES.clear()
     shutil.rmtree(tmp_path / "run")
+
+
+def test_a_local_copy_of_a_published_variant_is_told_where_that_variant_is_published(tmp_path: Path):
+    """A local folder named after SD3.5-Medium's repository (not Large's, the sd3 family's first checkpoint)."""
+    folder = tmp_path / "stable-diffusion-3.5-medium"
+    folder.mkdir()
+    store = tmp_path / "store"
+    args = ["run", "sd35-medium", "--set", f"model.path={folder}", "--set", f"storage.root={store}"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert f"{folder}/model_index.json is missing (sd3 weights)" in result.stderr
+    assert "huggingface.co/stabilityai/stable-diffusion-3.5-medium" in result.stderr and not store.exists()

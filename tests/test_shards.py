@@ -77,14 +77,21 @@ def assert_same_outputs(got_dir: Path, expected_dir: Path) -> None:
         )
 
 
+@pytest.fixture(scope="module")
+def one_shard(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The one-shard campaign every layout is compared with (run once for the module's tests)."""
+    store = tmp_path_factory.mktemp("one-shard")
+    campaign(str(store), 1)
+    return store / RUN_ID
+
+
 @needs_batch_invariant_gemm
 @pytest.mark.slow
-def test_two_and_four_shards_give_the_one_shard_run_and_leave_no_shard_folder(tmp_path: Path):
-    campaign(str(tmp_path / "one"), 1)
+def test_two_and_four_shards_give_the_one_shard_run_and_leave_no_shard_folder(tmp_path: Path, one_shard: Path):
     for count in (2, 4):
         campaign(str(tmp_path / f"s{count}"), count)
         run_dir = tmp_path / f"s{count}" / RUN_ID
-        assert_same_outputs(run_dir, tmp_path / "one" / RUN_ID)
+        assert_same_outputs(run_dir, one_shard)
         assert not list(run_dir.rglob("*.shards"))
         manifest = read_manifest(run_dir, 1, "explore")
         assert manifest is not None and manifest.info["shards"] == count
@@ -92,7 +99,7 @@ def test_two_and_four_shards_give_the_one_shard_run_and_leave_no_shard_folder(tm
         for stage in ("score_explore", "regenerate", "score_regenerate", "evaluate"):  # 10 evaluation prompts
             assert read_manifest(run_dir, 2, stage).info["shards"] == count, stage
         assert read_manifest(run_dir, 2, "audit").info["shards"] == 2  # fidelity.audit_prompts=2: 2 at most
-        for key, value in read_manifest(tmp_path / "one" / RUN_ID, 2, "audit").metrics.items():
+        for key, value in read_manifest(one_shard, 2, "audit").metrics.items():
             assert read_manifest(run_dir, 2, "audit").metrics[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
         # The stage keys do not depend on the layout: the shard count is outside the config hash.
         assert tiny_config(tmp_path, f"campaign.shards={count}").digest() == tiny_config(tmp_path).digest()
@@ -108,8 +115,9 @@ def run_in_child(store: Path, shards: int, fault: str) -> int | None:
 
 
 @pytest.mark.slow
-def test_a_shard_killed_mid_write_is_redone_alone_and_a_resume_may_change_the_shard_count(tmp_path: Path):
-    campaign(str(tmp_path / "reference"), 1)
+def test_a_shard_killed_mid_write_is_redone_alone_and_a_resume_may_change_the_shard_count(
+    tmp_path: Path, one_shard: Path
+):
     store = tmp_path / "killed"
     # Killed while shard 2 of 2 of iteration 1's explore writes its pool: shard 1 is committed, shard 2 is not.
     assert run_in_child(store, 2, "1:explore.shards/001-of-002:write") == -9
@@ -129,7 +137,7 @@ def test_a_shard_killed_mid_write_is_redone_alone_and_a_resume_may_change_the_sh
     assert run_in_child(store, 2, "2:regenerate.shards/001-of-002:write") == -9
     campaign(str(store), 4)
     assert open_run(store, RUN_ID).config.campaign.shards == 4
-    assert_same_outputs(store / RUN_ID, tmp_path / "reference" / RUN_ID)
+    assert_same_outputs(store / RUN_ID, one_shard)
     leftovers = [p for p in (store / RUN_ID).rglob("*") if ".tmp-" in p.name or ".trash-" in p.name]
     assert leftovers == [] and not list((store / RUN_ID).rglob("*.shards"))
 
@@ -167,16 +175,15 @@ def test_resume_may_record_another_shard_count_without_touching_the_config_hash(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ["dask", "ray"])
-def test_two_shards_on_a_local_dask_or_ray_cluster_give_the_one_shard_run(tmp_path: Path, engine: str):
+def test_two_shards_on_a_local_dask_or_ray_cluster_give_the_one_shard_run(tmp_path: Path, engine: str, one_shard: Path):
     """Through the Prefect flow, each shard task submitted to a local Dask cluster or Ray instance of 2 worker
     processes."""
     from solrl.flows.sol_rl import campaign as prefect_campaign
 
-    campaign(str(tmp_path / "reference"), 1)
     cfg = tiny_config(tmp_path / engine, *FOUR_PROMPTS, "campaign.shards=2", f"campaign.task_runner={engine}")
     run = create_run(cfg, RUN_ID)
     prefect_campaign(str(run.run_dir.parent), RUN_ID)
-    assert_same_outputs(run.run_dir, tmp_path / "reference" / RUN_ID)
+    assert_same_outputs(run.run_dir, one_shard)
     assert read_manifest(run.run_dir, 2, "explore").info["shards"] == 2
 
 

@@ -21,7 +21,7 @@ from torch import nn
 
 from solrl.config import ConfigError, ModelConfig, RunConfig
 from solrl.stages.models.adapter import ModelAdapter
-from solrl.weights import PIPELINE_FILES, PublishedWeights, hub_download, pipeline_dir
+from solrl.weights import PIPELINE_FILES, PublishedWeights, hub_download, pipeline_dir, published_weights
 
 #: Images decoded per VAE call (bounds the decoder's activation memory at 1024 px).
 DECODE_BATCH = 8
@@ -103,7 +103,9 @@ class DiffusersFamily(ModelAdapter):
     def check_runnable(cls, cfg: ModelConfig) -> None:
         """The weights files (locally or in the hub cache); a hub id not cached is fine only when online
         (``solrl.weights``, which checks the published families before torch is imported)."""
-        PublishedWeights(cls.hub_id, cls.weights_hint, cls.required_files(cfg)).check(cls.name, cfg.path)
+        published = published_weights(cls.name, cfg.path)  # a published variant names its own source
+        hint = published.hint if published is not None else cls.weights_hint
+        PublishedWeights(cls.hub_id, hint, cls.required_files(cfg)).check(cls.name, cfg.path)
 
     @classmethod
     def load(cls, cfg: ModelConfig, device: torch.device, *, text_encoders: bool = True) -> DiffusersFamily:

@@ -2,7 +2,9 @@
 
 Sol-RL's SD3.5-Large settings (``../shared/PAPER.md``): 1024 px, ``dpm2``, LoRA on the attention including the
 context projections (``add_*``), NVFP4 skipping the position and context embedders, the time-text embedding,
-``norm_out``, ``norm1``, ``ff_context`` and Linear layers with ``max(in, out) <= 2432``.
+``norm_out``, ``norm1``, ``ff_context`` and Linear layers with ``max(in, out) <= 2432``. SD3.5-Medium (the
+``sd35-medium`` preset: DiffusionNFT's and Flow-GRPO's model) is the same family at 512 px, with MMDiT-X blocks
+(a second attention in its first 13 blocks, ``dual_attention_layers``) that the tiny twin has too.
 """
 
 from __future__ import annotations
@@ -29,15 +31,18 @@ class SD3(DiffusersFamily):
     hub_id: ClassVar[str] = PUBLISHED["sd3"].hub_id
     weights_hint: ClassVar[str] = PUBLISHED["sd3"].hint
     pipeline_class: ClassVar[str] = "StableDiffusion3Pipeline"
+    #: The joint attention of every block, its context projections (``add_*``) included, as Sol-RL, DiffusionNFT and
+    #: Flow-GRPO train SD3.5. ``attn.`` keeps SD3.5-Medium's second attention (``attn2`` of its MMDiT-X blocks)
+    #: frozen, as those peers do; SD3.5-Large has no ``attn2``.
     lora_targets: ClassVar[tuple[str, ...]] = (
-        "to_q",
-        "to_k",
-        "to_v",
-        "to_out.0",
-        "add_q_proj",
-        "add_k_proj",
-        "add_v_proj",
-        "to_add_out",
+        "attn.to_q",
+        "attn.to_k",
+        "attn.to_v",
+        "attn.to_out.0",
+        "attn.add_q_proj",
+        "attn.add_k_proj",
+        "attn.add_v_proj",
+        "attn.to_add_out",
     )
     repeated_blocks: ClassVar[tuple[str, ...]] = ("JointTransformerBlock",)
     nvfp4_skip: ClassVar[tuple[str, ...]] = (
