@@ -17,7 +17,7 @@ verdict as the uninterrupted one. ``campaign.on_guard=stop`` ends the campaign o
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from solrl.config import CampaignConfig, RunConfig
@@ -108,7 +108,7 @@ class GuardTrip:
     alarms: list[Alarm]  # one per evaluation of the streak, oldest first
     last_good: int  # the last evaluated iteration before the streak (0: the starting policy, no checkpoint)
     patience: int
-    evaluated: list[int] = field(default_factory=list)  # the streak's evaluated iterations
+    evaluated: list[int]  # the streak's evaluated iterations
 
     @property
     def iteration(self) -> int:
@@ -175,11 +175,10 @@ def evaluation_summary(run_dir: Path, up_to: int) -> str | None:
     evaluated reward, then sample diversity (change) and grid energy (multiple), the guards' measures. None
     before a second evaluation exists."""
     start = read_manifest(run_dir, 0, "evaluate")
-    last = next((i for i in range(up_to, 0, -1) if read_manifest(run_dir, i, "evaluate") is not None), None)
-    if start is None or last is None:
+    found = ((i, read_manifest(run_dir, i, "evaluate")) for i in range(up_to, 0, -1))
+    last, now = next(((i, m) for i, m in found if m is not None), (None, None))
+    if start is None or now is None:
         return None
-    now = read_manifest(run_dir, last, "evaluate")
-    assert now is not None  # found a moment ago
     parts = []
     for key, value in now.metrics.items():
         if not key.startswith("eval/") or key in ("eval/diversity", "eval/grid_energy"):

@@ -13,7 +13,7 @@ from solrl.stages.context import StageContext
 from solrl.stages.losses.advantages import Advantages, group_advantages, prompt_history_advantages
 from solrl.stages.losses.base import Batch
 from solrl.stages.models.policy import ADAPTERS, Policy
-from solrl.stages.sampling.samplers import batched
+from solrl.stages.sampling.samplers import batched, seed_noise
 from solrl.stages.sharding import Shard
 from solrl.storage.artifacts import (
     RegeneratedRewards,
@@ -67,15 +67,21 @@ def load_batch(ctx: StageContext, policy: Policy, samples: Samples, advantages: 
     def flat(a: np.ndarray | None) -> torch.Tensor | None:  # [P, k, ...] -> [B, ...] on the device
         return None if a is None else torch.from_numpy(np.asarray(a)).reshape(P * k, *a.shape[2:]).to(device)
 
+    seeds = torch.from_numpy(np.asarray(samples.seeds, dtype=np.int64).reshape(-1))
+    trajectory = flat(samples.trajectory)
+    noise = None  # GRPO-Guard recovers the rollout means from the seeds' draws: drawn once per update
+    if ctx.cfg.train.grpo_guard and trajectory is not None:
+        noise = seed_noise(seeds.tolist(), tuple(trajectory.shape[2:]), trajectory.shape[1], device)
     return Batch(
         flat(samples.latents),
         torch.from_numpy(advantages.reshape(-1)).to(device),
         cond,
         model.sigmas(ctx.cfg.regenerate.steps),
-        flat(samples.trajectory),
+        trajectory,
         flat(samples.log_probs),
         [bool(s) for s in samples.attrs["sde_steps"]],
-        torch.from_numpy(np.asarray(samples.seeds, dtype=np.int64).reshape(-1)),
+        seeds,
+        noise,
     )
 
 

@@ -24,6 +24,7 @@ class Batch:
     old_log_probs: torch.Tensor | None  # float32 [B, S] (SDE rollouts)
     sde_steps: list[bool]  # [S]: which rollout steps were stochastic
     seeds: torch.Tensor | None = None  # int64 [B]: each sample's seed (its initial and SDE step noises)
+    noise: torch.Tensor | None = None  # float32 [B, S + 1, C, h, w]: the seeds' draws (GRPO-Guard), drawn once
 
 
 class PolicyLoss:

@@ -224,7 +224,7 @@ def rollout_mean(
 ) -> torch.Tensor:
     """The rollout policy's mean ``mu_old`` of step ``t_index`` for ``rows`` of ``batch``, float32 ``[n, C, h, w]``:
     ``x_{t+1} - std eps``, with ``eps`` the step's draw of each sample's seed (``seed_noise``, drawn as
-    ``sample_sde`` drew it).
+    ``sample_sde`` drew it; ``batch.noise`` when the update drew them already).
 
     Raises:
         ValueError: the batch has no seeds. RuntimeError: the recovered mean does not reproduce the stored
@@ -233,8 +233,11 @@ def rollout_mean(
     if batch.seeds is None or batch.trajectory is None:
         raise ValueError("train.grpo_guard needs each sample's seed and its stored SDE trajectory")
     x_next = batch.trajectory[rows, t_index + 1]
-    steps = batch.trajectory.shape[1]  # S + 1 draws: the initial noise, then one per step
-    eps = seed_noise(batch.seeds[rows].tolist(), tuple(x_next.shape[1:]), steps, x_next.device)[:, t_index + 1]
+    if batch.noise is not None:  # drawn once for the update (``load_batch``)
+        eps = batch.noise[rows, t_index + 1]
+    else:
+        steps = batch.trajectory.shape[1]  # S + 1 draws: the initial noise, then one per step
+        eps = seed_noise(batch.seeds[rows].tolist(), tuple(x_next.shape[1:]), steps, x_next.device)[:, t_index + 1]
     old_mean = x_next.float() - std.float().reshape(-1, *([1] * (x_next.ndim - 1))) * eps
     deviation = (gaussian_log_prob(x_next, old_mean, std) - old_log_prob.float()).abs().max().item()
     if not deviation <= OLD_MEAN_TOLERANCE:
