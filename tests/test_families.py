@@ -1,6 +1,6 @@
-"""SANA, FLUX.1 and SD3.5 as tiny random models of the real diffusers classes: built in code, saved with
-``save_pretrained``, loaded through their adapters, run through the same Prefect flow as tiny-digits with
-NVFP4-emulated explore, and their exported LoRA loaded by the stock diffusers pipeline."""
+"""SANA, FLUX.1, SD3.5, Z-Image, Qwen-Image and FLUX.2-klein as tiny random models of the real diffusers classes:
+built in code, saved with ``save_pretrained``, loaded through their adapters, run through the same Prefect flow as
+tiny-digits with NVFP4-emulated explore, and their exported LoRA loaded by the stock diffusers pipeline."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from solrl.stages.models.lora import LORA_WEIGHTS, save_diffusers_lora
 from solrl.stages.sampling.rollout import generate
 from solrl.stages.sampling.samplers import initial_noise
 
-FAMILIES = ["tiny-sana", "tiny-flux", "tiny-sd3"]
+FAMILIES = ["tiny-sana", "tiny-flux", "tiny-sd3", "tiny-z-image", "tiny-qwen-image", "tiny-flux2"]
 
 
 def _config(family: str, root: Path, *extra: str):
@@ -61,15 +61,26 @@ def _stock_pipeline_latents(pipe, family: str, prompt: str, noise: torch.Tensor,
         max_sequence_length=16,
         output_type="latent",
     )
-    if family == "tiny-flux":
+    if family in ("tiny-flux", "tiny-qwen-image"):
         _, C, h, w = noise.shape
         packed = type(pipe)._pack_latents(noise, 1, C, h, w)
+        if family == "tiny-qwen-image":  # no true CFG; the prompt needs the tiny tokenizer's room
+            kwargs.update(guidance_scale=None, max_sequence_length=224)
         out = pipe(latents=packed, **kwargs).images
-        return type(pipe)._unpack_latents(
+        unpacked = type(pipe)._unpack_latents(
             out, h * pipe.vae_scale_factor, w * pipe.vae_scale_factor, pipe.vae_scale_factor
         )
+        return unpacked.squeeze(2)  # Qwen-Image's have a frame axis
     if family == "tiny-sana":
         kwargs["use_resolution_binning"] = False
+    if family == "tiny-flux2":  # the pipeline returns the de-normalised, unpatchified latents: map them back
+        kwargs.update(max_sequence_length=96, text_encoder_out_layers=(1, 2, 3))
+        out = pipe(latents=noise, **kwargs).images
+        mean = pipe.vae.bn.running_mean.view(1, -1, 1, 1)
+        std = torch.sqrt(pipe.vae.bn.running_var.view(1, -1, 1, 1) + pipe.vae.config.batch_norm_eps)
+        return (type(pipe)._patchify_latents(out) - mean) / std
+    if family == "tiny-z-image":  # ZImagePipeline guides whenever guidance_scale > 0
+        kwargs.update(guidance_scale=0.0, max_sequence_length=96)
     return pipe(latents=noise, **kwargs).images
 
 
@@ -132,6 +143,9 @@ def test_two_iteration_campaign_through_the_prefect_flow_with_nvfp4_explore(tmp_
         "SanaTransformer2DModel",
         "FluxTransformer2DModel",
         "SD3Transformer2DModel",
+        "ZImageTransformer2DModel",
+        "QwenImageTransformer2DModel",
+        "Flux2Transformer2DModel",
     )
     assert (stage_dir(run.run_dir, 2, "checkpoint") / "lora" / LORA_WEIGHTS).exists()
     audit = read_manifest(run.run_dir, 2, "audit").metrics  # the full-pool BF16 audit ran at iteration 2
@@ -145,6 +159,9 @@ def test_two_iteration_campaign_through_the_prefect_flow_with_nvfp4_explore(tmp_
         ("flux1-dev", "huggingface.co/black-forest-labs/FLUX.1-dev"),
         ("sd35-large", "huggingface.co/stabilityai/stable-diffusion-3.5-large"),
         ("sd35-medium", "huggingface.co/stabilityai/stable-diffusion-3.5-medium"),
+        ("z-image-turbo", "huggingface.co/Tongyi-MAI/Z-Image-Turbo"),
+        ("qwen-image", "huggingface.co/Qwen/Qwen-Image"),
+        ("flux2-klein-4b", "huggingface.co/black-forest-labs/FLUX.2-klein-4B"),
     ],
 )
 def test_a_real_preset_without_its_weights_exits_2_naming_the_path_and_where_they_are_published(

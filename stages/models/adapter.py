@@ -69,8 +69,9 @@ class ModelAdapter:
     weights_hint: ClassVar[str] = ""
     #: The diffusers pipeline class of the family (its LoRA loader reads the exported LoRA).
     pipeline_class: ClassVar[str]
-    #: peft ``target_modules`` of the policy LoRA.
-    lora_targets: ClassVar[tuple[str, ...]]
+    #: peft ``target_modules`` of the policy LoRA: module-name suffixes, or one regex that a module's whole qualified
+    #: name must match (where a suffix would also name a module peft cannot wrap, e.g. FLUX.2's ``attn.to_out``).
+    lora_targets: ClassVar[tuple[str, ...] | str]
     #: Module-name fragments the low-precision explore copy leaves in high precision (Sol-RL skip rules).
     nvfp4_skip: ClassVar[tuple[str, ...]]
     #: Class names of the transformer's repeated blocks, compiled by ``explore.compile`` / ``regenerate.compile``

@@ -1,4 +1,4 @@
-"""The common part of the families loaded as a diffusers pipeline folder (SANA, FLUX.1, SD3.5).
+"""The common part of the families loaded as a diffusers pipeline folder (SANA, FLUX.1, SD3.5, Z-Image, ...).
 
 The pipeline object is kept for what diffusers already does exactly: ``encode_prompt`` (each family's prompt
 handling: tokenizers, complex human instruction, CLIP pooling, T5) and the VAE. Sampling, the policy's LoRA
@@ -167,6 +167,32 @@ class DiffusersFamily(ModelAdapter):
     def _drop_text_encoders(self) -> None:
         for name in self.text_encoder_names:
             setattr(self.pipe, name, None)
+
+    def pipeline_sigmas(self, steps: int, image_seq_len: int) -> torch.Tensor:
+        """The grid of the flow pipelines that shift by image size (FLUX.1, Qwen-Image, Z-Image):
+        ``linspace(1, 1/steps, steps)`` through the pipeline's own scheduler with ``mu = calculate_shift(
+        image_seq_len)`` (used only where the scheduler shifts dynamically; otherwise its static ``shift``), then 0.
+
+        Args:
+            image_seq_len: the transformer's image tokens per sample (latent positions / patch area).
+
+        Returns:
+            float32 ``[steps + 1]``, 1 -> 0, on the adapter's device.
+        """
+        from diffusers import FlowMatchEulerDiscreteScheduler
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+        scheduler = FlowMatchEulerDiscreteScheduler.from_config(self.pipe.scheduler.config)
+        config = scheduler.config
+        mu = calculate_shift(
+            image_seq_len,
+            config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5),
+            config.get("max_shift", 1.15),
+        )
+        scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps).tolist(), mu=mu, device="cpu")
+        return scheduler.sigmas.float().to(self.device)
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> np.ndarray:

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -61,22 +60,9 @@ class Flux(DiffusersFamily):
 
     def sigmas(self, steps: int) -> torch.Tensor:
         """FluxPipeline's grid: ``linspace(1, 1/steps, steps)`` shifted by ``mu`` of the image's token count
-        (``calculate_shift``), then 0; float32 ``[steps + 1]``."""
-        from diffusers import FlowMatchEulerDiscreteScheduler
-        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
-
-        scheduler = FlowMatchEulerDiscreteScheduler.from_config(self.pipe.scheduler.config)
-        config = scheduler.config
+        (``pipeline_sigmas``), then 0; float32 ``[steps + 1]``."""
         _, h, w = self.latent_shape
-        mu = calculate_shift(
-            (h // 2) * (w // 2),
-            config.get("base_image_seq_len", 256),
-            config.get("max_image_seq_len", 4096),
-            config.get("base_shift", 0.5),
-            config.get("max_shift", 1.15),
-        )
-        scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps).tolist(), mu=mu, device="cpu")
-        return scheduler.sigmas.float().to(self.device)
+        return self.pipeline_sigmas(steps, (h // 2) * (w // 2))
 
     def velocity(self, net: nn.Module, x: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> torch.Tensor:
         """``net``'s velocity at unpacked latents ``x [B, C, h, w]``, ``sigma [B]``: packed to ``[B, hw/4, 4C]``,

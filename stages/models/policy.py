@@ -45,10 +45,9 @@ class Policy:
         self.transformer = model.transformer
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
+            targets = model.lora_targets if isinstance(model.lora_targets, str) else list(model.lora_targets)
             for name in ADAPTERS:
-                lora = LoraConfig(
-                    r=rank, lora_alpha=alpha, target_modules=list(model.lora_targets), init_lora_weights="gaussian"
-                )
+                lora = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, init_lora_weights="gaussian")
                 with warnings.catch_warnings():  # several adapters on one model is the point here
                     warnings.filterwarnings("ignore", message="Already found a `peft_config`")
                     self.transformer.add_adapter(lora, adapter_name=name)

@@ -1,8 +1,9 @@
 """Tiny tokenizers, text encoders and VAEs of the real classes, built locally (no hub), for the tiny families.
 
 The vocabularies are small (characters and a few merges), so the tiny models encode any prompt; their
-weights are random. Used only to build ``tiny-sana``, ``tiny-flux`` and ``tiny-sd3`` on first use and in
-tests; the real families load the published tokenizers and encoders from ``model.path``.
+weights are random. Used only to build the tiny families (``tiny-sana``, ``tiny-flux``, ``tiny-sd3``,
+``tiny-z-image``, ``tiny-qwen-image``, ``tiny-flux2``) on first use and in tests; the real families load the
+published tokenizers and encoders from ``model.path``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ from transformers import (
     Gemma2Config,
     Gemma2Model,
     GemmaTokenizer,
+    Qwen2Tokenizer,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3Model,
     T5Config,
     T5EncoderModel,
     T5TokenizerFast,
@@ -59,6 +64,52 @@ def gemma_tokenizer() -> GemmaTokenizer:
     return GemmaTokenizer(
         vocab=vocab, merges=merges, model_max_length=8192, add_bos_token=True, add_eos_token=False, padding_side="right"
     )
+
+
+#: The chat template of the tiny Qwen tokenizers: Qwen's ChatML turns (``<|im_start|>role\n...<|im_end|>\n``),
+#: enough for the pipelines' ``apply_chat_template`` and prompt templates; the published tokenizers ship their own.
+QWEN_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def qwen_tokenizer() -> Qwen2Tokenizer:
+    """Qwen's byte-level BPE over the 256-byte alphabet, no merges, with the ChatML special tokens
+    (``<|endoftext|>`` pads, as the published Qwen2.5/Qwen3 tokenizers) and a ChatML chat template."""
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    vocab = {c: i for i, c in enumerate(sorted(ByteLevel.alphabet()))}
+    for special in ("<|endoftext|>", "<|im_start|>", "<|im_end|>"):
+        vocab[special] = len(vocab)
+    tokenizer = Qwen2Tokenizer(
+        vocab=vocab, merges=[], additional_special_tokens=["<|im_start|>", "<|im_end|>"], model_max_length=4096
+    )
+    tokenizer.chat_template = QWEN_CHAT_TEMPLATE
+    return tokenizer
+
+
+def qwen3_encoder(
+    tokenizer: Qwen2Tokenizer, hidden: int, seed: int = 0, layers: int = 2, lm_head: bool = False
+) -> Qwen3Model | Qwen3ForCausalLM:
+    """A small Qwen3 model, without the LM head (Z-Image's ``Qwen3Model``) or with it (FLUX.2-klein's
+    ``Qwen3ForCausalLM``); the pipelines read its hidden states."""
+    torch.manual_seed(seed)
+    return (Qwen3ForCausalLM if lm_head else Qwen3Model)(
+        Qwen3Config(
+            vocab_size=len(tokenizer),
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=hidden // 2,
+            max_position_embeddings=4096,
+            pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=None,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+    ).eval()
 
 
 def clip_text_model(
@@ -124,8 +175,11 @@ def gemma2_encoder(tokenizer: GemmaTokenizer, hidden: int, seed: int = 0) -> Gem
     ).eval()
 
 
-def autoencoder_kl(scaling_factor: float, shift_factor: float, seed: int = 0):  # -> diffusers.AutoencoderKL
-    """A 2-block ``AutoencoderKL`` (x2 downsampling, 4 latent channels) with the family's scaling and shift."""
+def autoencoder_kl(
+    scaling_factor: float, shift_factor: float, seed: int = 0, latent_channels: int = 4
+):  # -> diffusers.AutoencoderKL
+    """A 2-block ``AutoencoderKL`` (x2 downsampling, 4 latent channels unless told) with the family's scaling and
+    shift."""
     from diffusers import AutoencoderKL
 
     torch.manual_seed(seed)
@@ -136,7 +190,7 @@ def autoencoder_kl(scaling_factor: float, shift_factor: float, seed: int = 0):  
         up_block_types=("UpDecoderBlock2D",) * 2,
         block_out_channels=(8, 8),
         layers_per_block=1,
-        latent_channels=4,
+        latent_channels=latent_channels,
         norm_num_groups=4,
         sample_size=32,
         use_quant_conv=False,
