@@ -88,6 +88,12 @@ class ModelConfig(_Section):
     max_sequence_length: int | None = Field(
         None, ge=1, description="Text tokens of the (T5 / Gemma) text encoder; null = the family's default."
     )
+    num_frames: int | None = Field(
+        None,
+        ge=1,
+        description="Frames per video of a video family (Wan: 4k + 1); null = the family's default. Image "
+        "families ignore it.",
+    )
     lora_rank: int = Field(8, ge=1, description="LoRA rank of the trained policy adapter (peft).")
     lora_alpha: float = Field(8.0, gt=0, description="LoRA alpha (scaling = alpha / rank).")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available, else cpu.")
@@ -226,6 +232,15 @@ class RewardConfig(_Section):
         "prompt's pool when selecting, its kept samples for advantages) before weighting (multi-reward "
         "advantages, as the peers do).",
     )
+    video: Literal["mean", "min"] = Field(
+        "mean",
+        description="How an image reward scores a video (a video family): each scored frame is rewarded as an "
+        "image, and the video's reward is their mean (as the peers score videos with PickScore and HPS) or their "
+        "minimum (its worst frame).",
+    )
+    frame_stride: int = Field(
+        1, ge=1, description="Video rewards score every frame_stride-th frame, the first included (1 = every frame)."
+    )
 
 
 class FidelityConfig(_Section):
@@ -296,7 +311,8 @@ class CampaignConfig(_Section):
     )
     on_guard: Literal["warn", "stop"] = Field(
         "warn",
-        description="A reward-hacking or proxy-fidelity alarm (diversity, grid energy, proxy fidelity): warn = log it "
+        description="A reward-hacking or proxy-fidelity alarm (diversity, grid energy, temporal change of videos, "
+        "proxy fidelity): warn = log it "
         "and go on; stop = end the campaign at the checkpoint of the evaluation that completes guard_patience "
         "alarmed evaluations of one measure in a row (exit code 3, naming the measure and the last checkpoint "
         "before the alarm).",
@@ -322,6 +338,13 @@ class CampaignConfig(_Section):
         ge=0,
         description="Grid alarm: the energy below which it never fires (tiny-digits starts near 0.0005, so the "
         "multiple alone would fire early; its unregularised run ends near 0.01, visibly checkered).",
+    )
+    guard_temporal_factor: float = Field(
+        1.5,
+        gt=1,
+        description="Temporal alarm (video families): the evaluation's frame-to-frame change (mean absolute pixel "
+        "difference of consecutive frames) above this multiple of the starting policy's: per-frame rewards gamed "
+        "with flicker.",
     )
     task_runner: Literal["local", "dask", "ray"] = Field(
         "local",
@@ -582,8 +605,9 @@ def load_config(
     """
     source = source or "tiny-digits"
     path = Path(source)
-    if not path.suffix and not path.exists():
-        path = preset_dir() / f"{source}.yaml"
+    preset = preset_dir() / f"{source}.yaml"
+    if not path.exists() and (not path.suffix or preset.exists()):  # a preset name may hold a dot: wan21-t2v-1.3b
+        path = preset
         if not path.exists():
             raise ConfigError(f"no preset or file named {str(source)!r}; presets: {', '.join(list_presets())}")
     try:

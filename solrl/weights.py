@@ -1,8 +1,8 @@
 """Where a model family's weights come from, checked without importing torch.
 
-A published family (SANA, FLUX.1, SD3.5, Z-Image, Qwen-Image, FLUX.2-klein) reads a diffusers pipeline folder from
-``model.path``: a local folder, or a Hugging Face hub id read from the local hub cache (downloaded by diffusers only
-when ``HF_HUB_OFFLINE=0``).
+A published family (SANA, FLUX.1, SD3.5, Z-Image, Qwen-Image, FLUX.2-klein, Wan2.1) reads a diffusers pipeline folder
+from ``model.path``: a local folder, or a Hugging Face hub id read from the local hub cache (downloaded by diffusers
+only when ``HF_HUB_OFFLINE=0``).
 Their ``PublishedWeights`` are declared here rather than in the adapter modules so that ``solrl run`` and
 ``solrl resume`` can refuse a preset whose weights are not on the machine before they import torch (about a
 second on its own): the error comes at once, names the missing path and where the weights are published. The
@@ -107,6 +107,9 @@ PUBLISHED: dict[str, PublishedWeights] = {
         "black-forest-labs/FLUX.2-klein-4B", "https://huggingface.co/black-forest-labs/FLUX.2-klein-4B (Apache-2.0)"
     ),
     "qwen-image": PublishedWeights("Qwen/Qwen-Image", "https://huggingface.co/Qwen/Qwen-Image (Apache-2.0)"),
+    "wan": PublishedWeights(
+        "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "https://huggingface.co/Wan-AI/Wan2.1-T2V-1.3B-Diffusers (Apache-2.0)"
+    ),
     "z-image": PublishedWeights(
         "Tongyi-MAI/Z-Image-Turbo",
         "https://huggingface.co/Tongyi-MAI/Z-Image-Turbo (Apache-2.0)",
@@ -126,6 +129,11 @@ PUBLISHED_VARIANTS: dict[str, tuple[PublishedWeights, ...]] = {
         PublishedWeights(
             "black-forest-labs/FLUX.2-klein-9B",
             "https://huggingface.co/black-forest-labs/FLUX.2-klein-9B (gated: accept the FLUX non-commercial licence)",
+        ),
+    ),
+    "wan": (
+        PublishedWeights(
+            "Wan-AI/Wan2.1-T2V-14B-Diffusers", "https://huggingface.co/Wan-AI/Wan2.1-T2V-14B-Diffusers (Apache-2.0)"
         ),
     ),
     "z-image": (PublishedWeights("Tongyi-MAI/Z-Image", "https://huggingface.co/Tongyi-MAI/Z-Image (Apache-2.0)"),),

@@ -13,6 +13,7 @@ from solrl.stages.guards import evaluation_alarms
 from solrl.stages.metrics.diversity import pairwise_diversity
 from solrl.stages.metrics.grid import save_grid
 from solrl.stages.metrics.grid_artifacts import grid_energy
+from solrl.stages.metrics.video import temporal_change
 from solrl.stages.quant.backends import sampling_network
 from solrl.stages.sampling.compiled import compile_metrics
 from solrl.stages.sampling.rollout import generate
@@ -31,8 +32,9 @@ def evaluate(ctx: StageContext, out: Path, trained: TrainedPolicy | None, *, sha
     its EMA or the policy) of this iteration's checkpoint ``trained`` (iteration 0: the base model), and score
     them with every reward of ``reward.evaluate`` and ``reward.weights`` (the trained ones are always reported).
 
-    Writes ``EvalSamples`` (images ``[P, S, H, W, 3]``, seeds), ``EvalMetrics`` (per prompt and reward) and
-    ``samples.png``. With ``shard``, only its prompts' samples and table (``reduce_evaluate`` does the rest).
+    Writes ``EvalSamples`` (images ``[P, S, H, W, 3]``, videos ``[P, S, F, H, W, 3]``, seeds), ``EvalMetrics``
+    (per prompt and reward) and ``samples.png``. With ``shard``, only its prompts' samples and table
+    (``reduce_evaluate`` does the rest).
     """
     evaluation = ctx.cfg.prompt_sets()[1]
     positions = shard.positions(len(evaluation.prompts))
@@ -106,7 +108,7 @@ def reduce_evaluate(ctx: StageContext, out: Path, folders: list[Path], trained: 
 
 def _summary(ctx: StageContext, out: Path, drawn: EvalSamples, table: EvalMetrics) -> StageOutput:
     """The grid picture, the metrics (each reward's mean over prompts of the per-prompt means, diversity, grid
-    energy) and the reward-hacking warnings of a whole evaluation."""
+    energy, and for videos the frame-to-frame change) and the reward-hacking warnings of a whole evaluation."""
     prompts, grid = drawn.prompts, drawn.images
     first = eval_rewards(ctx)[0]  # a trained reward: each row says its mean over the row's seeds
     row_means = table.frame[table.frame["reward"] == first].groupby("prompt", sort=False)["mean"].first()
@@ -115,6 +117,8 @@ def _summary(ctx: StageContext, out: Path, drawn: EvalSamples, table: EvalMetric
     means = table.frame.groupby("reward", sort=False)["mean"]
     metrics = {f"eval/{name}": float(values.to_numpy(np.float64).mean()) for name, values in means}
     metrics["eval/diversity"] = pairwise_diversity(grid)
+    if grid.ndim == 6:  # videos: the temporal guard's measure
+        metrics["eval/temporal_change"] = float(temporal_change(grid.reshape(-1, *grid.shape[2:])).mean())
     period = int(drawn.attrs["grid_period"])
     if period >= 2:
         metrics["eval/grid_energy"] = float(grid_energy(grid.reshape(-1, *grid.shape[2:]), period).mean())

@@ -7,6 +7,8 @@ texture at the transformer's patch period. Each alarm compares one measure with 
 - ``diversity``: the evaluation's sample diversity below ``campaign.guard_diversity`` x the start's;
 - ``grid_energy``: the spectral power on the patch-period lattice above ``campaign.guard_grid_factor`` x the
   start's and above ``campaign.guard_grid_min``;
+- ``temporal``: for videos, the evaluation's frame-to-frame change above ``campaign.guard_temporal_factor`` x the
+  start's (a per-frame reward gamed with flicker);
 - ``proxy_fidelity``: the kept seeds' explore/BF16 Spearman rho below ``fidelity.min_spearman`` at any
   iteration since the previous evaluation.
 
@@ -31,7 +33,7 @@ GUARD_STOP_EXIT = 3
 class Alarm:
     """One measure out of bounds at one iteration."""
 
-    measure: str  # diversity | grid_energy | proxy_fidelity
+    measure: str  # diversity | grid_energy | temporal | proxy_fidelity
     iteration: int
     value: float
     bound: float  # the value past which the alarm fires
@@ -45,7 +47,8 @@ def evaluation_alarms(
     bounds: CampaignConfig,
     period: int | None = None,
 ) -> list[Alarm]:
-    """The alarms of an evaluation's metrics (``eval/diversity``, ``eval/grid_energy``) against the starting
+    """The alarms of an evaluation's metrics (``eval/diversity``, ``eval/grid_energy``, ``eval/temporal_change``
+    of videos) against the starting
     policy's evaluation ``start`` (None at iteration 0: no alarm), with the bounds ``campaign.guard_*`` of
     ``bounds``; ``period`` the patch period in pixels, named in the grid alarm's message."""
     if start is None:
@@ -80,6 +83,21 @@ def evaluation_alarms(
                     f"grid-artifact energy {grid:.4f} is {grid / grid_start:.1f}x the starting policy's "
                     f"{grid_start:.5f} (alarm above {bounds.guard_grid_factor:g}x it and {bounds.guard_grid_min:g}): "
                     f"the policy may be learning {texture}; look at samples.png",
+                )
+            )
+    change, change_start = metrics.get("eval/temporal_change"), start.get("eval/temporal_change")
+    if change is not None and change_start:
+        bound = bounds.guard_temporal_factor * change_start
+        if change > bound:
+            alarms.append(
+                Alarm(
+                    "temporal",
+                    iteration,
+                    change,
+                    bound,
+                    f"frame-to-frame change {change:.4f} is {change / change_start:.1f}x the starting policy's "
+                    f"{change_start:.4f} (alarm above {bounds.guard_temporal_factor:g}x it): the videos may flicker "
+                    f"to game a per-frame reward; look at samples.png",
                 )
             )
     return alarms
@@ -181,7 +199,7 @@ def evaluation_summary(run_dir: Path, up_to: int) -> str | None:
         return None
     parts = []
     for key, value in now.metrics.items():
-        if not key.startswith("eval/") or key in ("eval/diversity", "eval/grid_energy"):
+        if not key.startswith("eval/") or key in ("eval/diversity", "eval/grid_energy", "eval/temporal_change"):
             continue
         before = start.metrics.get(key)
         parts.append(f"{key[5:]} {value:.3f}" + (f" (start {before:.3f})" if before is not None else ""))
@@ -191,4 +209,7 @@ def evaluation_summary(run_dir: Path, up_to: int) -> str | None:
     grid, grid_start = now.metrics.get("eval/grid_energy"), start.metrics.get("eval/grid_energy")
     if grid is not None and grid_start:
         parts.append(f"grid energy {grid:.5f} ({grid / grid_start:.1f}x start)")
+    change, change_start = now.metrics.get("eval/temporal_change"), start.metrics.get("eval/temporal_change")
+    if change is not None and change_start:
+        parts.append(f"frame change {change:.4f} ({change / change_start:.1f}x start)")
     return f"iteration {last}: " + ", ".join(parts)

@@ -25,13 +25,40 @@ def score_images(
 ) -> dict[str, np.ndarray]:
     """Rewards of uint8 ``[B, H, W, 3]`` images (and each image's prompt metadata, if any): name -> float32
     ``[B]``, each reward built with its ``reward.models`` options (once per process), those not kept loaded
-    freed afterwards. RewardError on NaN."""
+    freed afterwards. Videos ``[B, F, H, W, 3]`` are scored through their frames (``score_videos``).
+    RewardError on NaN."""
+    if images.ndim == 5:
+        return score_videos(ctx, images, prompts, names, metadata)
     models = ctx.cfg.reward.models
     rewards = {name: (build_reward(name, ctx.device, models.get(name)), weight) for name, weight in names.items()}
     try:
         return score_all(rewards, images, prompts, metadata)
     finally:
         release_rewards(list(names))
+
+
+def score_videos(
+    ctx: StageContext,
+    videos: np.ndarray,
+    prompts: list[str],
+    names: dict[str, float],
+    metadata: list[dict] | None = None,
+) -> dict[str, np.ndarray]:
+    """Rewards of uint8 videos ``[B, F, H, W, 3]`` by an image reward: every ``reward.frame_stride``-th frame
+    (the first included) is scored as an image with its video's prompt, and a video's reward is the ``mean`` or
+    ``min`` of its frames' (``reward.video``), as Flow-GRPO and Flow-Factory score Wan videos with PickScore and
+    HPS (frame mean). Returns name -> float32 ``[B]``."""
+    frames = videos[:, :: ctx.cfg.reward.frame_stride]  # [B, F', H, W, 3]
+    B, F = frames.shape[:2]
+    per_frame = score_images(
+        ctx,
+        frames.reshape(B * F, *frames.shape[2:]),
+        [p for p in prompts for _ in range(F)],
+        names,
+        None if metadata is None else [m for m in metadata for _ in range(F)],
+    )
+    reduce = np.mean if ctx.cfg.reward.video == "mean" else np.min
+    return {name: reduce(value.reshape(B, F), axis=1).astype(np.float32) for name, value in per_frame.items()}
 
 
 def rewards_table(

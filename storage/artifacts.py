@@ -114,7 +114,7 @@ class ZarrArtifact(Artifact):
         group = zarr.open_group(str(out / self.filename), mode="w-")
         for name, data in arrays.items():
             data = np.ascontiguousarray(data)
-            dims = self.dims[name]
+            dims = with_frames(self.dims[name], data.ndim)
             if len(dims) != data.ndim:
                 raise ValueError(f"{type(self).__name__}.{name}: shape {data.shape} does not match dims {dims}")
             chunks = (1, *data.shape[1:]) if data.ndim > 1 else data.shape
@@ -169,11 +169,25 @@ _IMAGE = ("y", "x", "rgb")
 _LATENT = ("latent_channel", "latent_y", "latent_x")
 
 
+def with_frames(dims: tuple[str, ...], ndim: int) -> tuple[str, ...]:
+    """The dimension names of an array that may hold videos: an image array (``..., y, x, rgb``) one axis longer
+    than its names has a ``frame`` axis before ``y``; a latent array (``..., latent_channel, latent_y,
+    latent_x``) one longer has ``latent_frame`` after ``latent_channel``. Other arrays keep their names."""
+    if ndim != len(dims) + 1:
+        return dims
+    if dims[-3:] == _IMAGE:
+        return (*dims[:-3], "frame", *_IMAGE)
+    if dims[-3:] == _LATENT:
+        return (*dims[:-3], "latent_channel", "latent_frame", "latent_y", "latent_x")
+    return dims
+
+
 @dataclass
 class CandidatePool(ZarrArtifact):
-    """The explore stage's pool: images uint8 ``[P, N, H, W, 3]``, seeds int64 ``[P, N]``, prompt_index int64
-    ``[P]``; when the update trains on the pool itself (``regenerate.enabled=false``) also the final latents
-    float32 ``[P, N, C, h, w]`` and, for SDE rollouts, the trajectory ``[P, N, S + 1, C, h, w]`` and log-probs
+    """The explore stage's pool: images uint8 ``[P, N, H, W, 3]`` (videos ``[P, N, F, H, W, 3]``, dimension
+    ``frame``; their latents gain ``latent_frame``), seeds int64 ``[P, N]``, prompt_index int64 ``[P]``; when the
+    update trains on the pool itself (``regenerate.enabled=false``) also the final latents float32
+    ``[P, N, C, h, w]`` and, for SDE rollouts, the trajectory ``[P, N, S + 1, C, h, w]`` and log-probs
     ``[P, N, S]``. attrs: prompts, precision, steps, policy_version, sde_steps."""
 
     stage: ClassVar[str] = "explore"

@@ -141,7 +141,7 @@ class PoolView:
 
     prompt: str
     group: int  # the prompt's index in the iteration
-    images: np.ndarray  # uint8 [N, H, W, 3], best first
+    images: np.ndarray  # uint8 [N, H, W, 3] (videos [N, F, H, W, 3]), best first
     rewards: np.ndarray  # float64 [N]
     seeds: np.ndarray  # int64 [N]
     candidates: np.ndarray  # int64 [N], the candidate index in the pool

@@ -110,7 +110,8 @@ class NFT(PolicyLoss):
         x0 = batch.x0[part]
         eps = eps[part.start - mb.start : part.stop - mb.start].to(x0.device)
         t = batch.sigmas[t_index].expand(x0.shape[0])
-        x_t = (1 - t[:, None, None, None]) * x0 + t[:, None, None, None] * eps
+        tb = t.reshape(-1, *([1] * (x0.ndim - 1)))  # [B, 1, ...]: images and videos
+        x_t = (1 - tb) * x0 + tb * eps
         cond = select_rows(batch.cond, part)
         with compute_precision(x0.device):
             v_theta = policy.velocity("policy", x_t, t, cond)

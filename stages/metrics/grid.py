@@ -9,6 +9,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
+from solrl.stages.metrics.video import frame_strip
+
 #: Pixels per line of the label font (``_font``), for layout.
 _LINE_H = 15
 
@@ -40,13 +42,16 @@ def save_grid(
     scale: int = 4,
     pad: int = 2,
 ) -> None:
-    """Save uint8 ``[rows, cols, H, W, 3]`` as one labelled PNG, each image upscaled ``scale`` x (nearest).
+    """Save uint8 ``[rows, cols, H, W, 3]`` as one labelled PNG, each image upscaled ``scale`` x (nearest); videos
+    ``[rows, cols, F, H, W, 3]`` are shown as frame strips (``solrl.stages.metrics.video.frame_strip``).
 
     Args:
         row_labels: text left of each row (e.g. the prompt); column_labels: text above each column (e.g.
             best / worst); scores: float ``[rows, cols]`` written under each image (e.g. its reward); split: draw
             a red rule before this column (e.g. between the kept best and worst).
     """
+    if images.ndim == 6:
+        images = frame_strip(images)
     rows, cols, h, w, _ = images.shape
     font = _font()
     below = _LINE_H if scores is not None else 0
@@ -94,9 +99,13 @@ def save_pool_grid(
     legend head the page.
 
     Args:
-        images: uint8 ``[N, H, W, 3]``. rewards: float ``[N]``. candidates: int ``[N]``. kept_as: ``N`` labels, None
-            for a candidate that was not kept. columns: tiles per row.
+        images: uint8 ``[N, H, W, 3]`` (videos ``[N, F, H, W, 3]``: frame strips, fewer per row). rewards: float
+            ``[N]``. candidates: int ``[N]``. kept_as: ``N`` labels, None for a candidate that was not kept.
+            columns: tiles per row.
     """
+    if images.ndim == 5:
+        images = frame_strip(images)
+        columns = max(1, columns // 4)
     n, h, w, _ = images.shape
     border, label_h = max(2, scale), _LINE_H + 2
     tile_w = max(w * scale + 2 * border, _width("#100: 0.000") + 4)

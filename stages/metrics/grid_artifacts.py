@@ -17,7 +17,8 @@ def grid_energy(images: np.ndarray, period: int) -> np.ndarray:
     """Fraction of each image's non-DC spectral power at the harmonics of ``period``.
 
     Args:
-        images: uint8 ``[B, H, W, 3]`` (cropped to multiples of ``period``).
+        images: uint8 ``[B, H, W, 3]`` (cropped to multiples of ``period``), or videos ``[B, F, H, W, 3]``
+            (each frame measured, the video's value their mean).
         period: the grid period in pixels (>= 2).
 
     Returns:
@@ -28,6 +29,9 @@ def grid_energy(images: np.ndarray, period: int) -> np.ndarray:
     """
     if period < 2:
         raise ValueError(f"period must be >= 2 pixels, got {period}")
+    if images.ndim == 5:
+        B, F = images.shape[:2]
+        return grid_energy(images.reshape(B * F, *images.shape[2:]), period).reshape(B, F).mean(1)
     B, H, W, _ = images.shape
     h, w = H // period * period, W // period * period
     if not h or not w:

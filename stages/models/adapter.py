@@ -80,14 +80,17 @@ class ModelAdapter:
 
     transformer: nn.Module
     device: torch.device
-    #: Latent shape of one sample ``(C, h, w)`` as the transformer and the samplers see it.
-    latent_shape: tuple[int, int, int]
+    #: Latent shape of one sample as the transformer and the samplers see it: ``(C, h, w)``, or ``(C, F', h, w)``
+    #: for a video family.
+    latent_shape: tuple[int, ...]
     #: ``FlowMatchEulerDiscreteScheduler`` shift of the sigma schedule.
     shift: float
     #: ODE solver of every rollout (``model.solver``): ``euler`` or ``dpm2``.
     solver: str = "euler"
     #: Pixels per latent token along a side (patch size x VAE downsampling): the period of grid artifacts.
     grid_period: int = 0
+    #: Frames per sample of a video family (``decode`` gives ``[B, F, H, W, 3]``); 0 for an image family.
+    frames: int = 0
     _cache: dict[str, Conditioning] = field(default_factory=dict, init=False, repr=False)
     _released: bool = field(default=False, init=False, repr=False)
 
@@ -225,7 +228,7 @@ class ModelAdapter:
             torch.cuda.empty_cache()
 
     def decode(self, latents: torch.Tensor) -> np.ndarray:
-        """Final latents ``[B, C, h, w]`` -> uint8 images ``[B, H, W, 3]``."""
+        """Final latents ``[B, *latent_shape]`` -> uint8 images ``[B, H, W, 3]`` (videos ``[B, F, H, W, 3]``)."""
         raise NotImplementedError
 
     def sigmas(self, steps: int) -> torch.Tensor:
