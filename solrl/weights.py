@@ -103,6 +103,10 @@ PUBLISHED: dict[str, PublishedWeights] = {
         "stabilityai/stable-diffusion-3.5-large",
         "https://huggingface.co/stabilityai/stable-diffusion-3.5-large (gated: accept the licence)",
     ),
+    "flux2": PublishedWeights(
+        "black-forest-labs/FLUX.2-dev",
+        "https://huggingface.co/black-forest-labs/FLUX.2-dev (gated: accept the FLUX non-commercial licence)",
+    ),
     "flux2-klein": PublishedWeights(
         "black-forest-labs/FLUX.2-klein-4B", "https://huggingface.co/black-forest-labs/FLUX.2-klein-4B (Apache-2.0)"
     ),

@@ -20,7 +20,16 @@ from solrl.stages.models.lora import LORA_WEIGHTS, save_diffusers_lora
 from solrl.stages.sampling.rollout import generate
 from solrl.stages.sampling.samplers import initial_noise
 
-FAMILIES = ["tiny-sana", "tiny-flux", "tiny-sd3", "tiny-z-image", "tiny-qwen-image", "tiny-flux2", "tiny-wan"]
+FAMILIES = [
+    "tiny-sana",
+    "tiny-flux",
+    "tiny-sd3",
+    "tiny-z-image",
+    "tiny-qwen-image",
+    "tiny-flux2",
+    "tiny-flux2-dev",
+    "tiny-wan",
+]
 
 
 def _config(family: str, root: Path, *extra: str):
@@ -73,9 +82,12 @@ def _stock_pipeline_latents(pipe, family: str, prompt: str, noise: torch.Tensor,
         return unpacked.squeeze(2)  # Qwen-Image's have a frame axis
     if family == "tiny-sana":
         kwargs["use_resolution_binning"] = False
-    if family == "tiny-flux2":  # the pipeline returns the de-normalised, unpatchified latents: map them back
-        kwargs.update(max_sequence_length=96, text_encoder_out_layers=(1, 2, 3))
+    if family in ("tiny-flux2", "tiny-flux2-dev"):  # klein returns de-normalised, unpatchified latents
+        length = 96 if family == "tiny-flux2" else 320  # the dev pipeline's system message takes room
+        kwargs.update(max_sequence_length=length, text_encoder_out_layers=(1, 2, 3))
         out = pipe(latents=noise, **kwargs).images
+        if family == "tiny-flux2-dev":  # the dev pipeline returns the sampling space's tokens [1, h w, C]
+            return out.permute(0, 2, 1).reshape(noise.shape)
         mean = pipe.vae.bn.running_mean.view(1, -1, 1, 1)
         std = torch.sqrt(pipe.vae.bn.running_var.view(1, -1, 1, 1) + pipe.vae.config.batch_norm_eps)
         return (type(pipe)._patchify_latents(out) - mean) / std
@@ -167,6 +179,7 @@ def test_two_iteration_campaign_through_the_prefect_flow_with_nvfp4_explore(tmp_
         ("z-image-turbo", "huggingface.co/Tongyi-MAI/Z-Image-Turbo"),
         ("qwen-image", "huggingface.co/Qwen/Qwen-Image"),
         ("flux2-klein-4b", "huggingface.co/black-forest-labs/FLUX.2-klein-4B"),
+        ("flux2-dev", "huggingface.co/black-forest-labs/FLUX.2-dev"),
         ("wan21-t2v-1.3b", "huggingface.co/Wan-AI/Wan2.1-T2V-1.3B-Diffusers"),
     ],
 )

@@ -1,4 +1,5 @@
-"""FLUX.2-klein (``Flux2Transformer2DModel``; a Qwen3 text encoder; ``AutoencoderKLFlux2``) and its tiny CPU twin.
+"""FLUX.2 (``Flux2Transformer2DModel``, ``AutoencoderKLFlux2``): klein (4B, 9B; a Qwen3 text encoder) and dev (32B;
+Mistral-3, the guidance embedding), and their tiny CPU twins.
 
 FLUX.2 samples in a normalised, patchified latent space: the VAE's latents in 2x2 patches ``[4C, H/16, W/16]``
 (for a VAE that downsamples by 8), standardised by the VAE's batch-norm running statistics. Samplers and losses
@@ -6,7 +7,9 @@ see that space as ``[B, 4C, h, w]``; the transformer sees it as tokens ``[B, h w
 (``Flux2KleinPipeline._pack_latents``, ``_prepare_latent_ids``), at timestep sigma; decoding undoes the
 normalisation and the patching before ``vae.decode``. The prompt is the Qwen3 hidden states of three layers
 (9, 18 and 27 for the published 4B and 9B) concatenated per token, padded to ``model.max_sequence_length`` as the
-pipeline pads them (``Flux2KleinPipeline.encode_prompt``). The sigma grid is the pipeline's:
+pipeline pads them (``Flux2KleinPipeline.encode_prompt``); FLUX.2-dev's is Mistral-3's layers 10, 20 and 30 of
+the prompt after the pipeline's system message (``Flux2Pipeline.encode_prompt``), and its transformer embeds the
+guidance (``model.guidance``; the pipeline's default is 4). The sigma grid is the pipeline's:
 ``linspace(1, 1/steps, steps)`` shifted by ``compute_empirical_mu`` of the token count and the step count, so an
 explore grid of fewer steps is shifted as the pipeline would shift it.
 
@@ -19,6 +22,7 @@ time-guidance embedding, the shared modulation layers, ``norm_out`` and ``proj_o
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -109,10 +113,10 @@ class Flux2Klein(DiffusersFamily):
         """Flux2KleinPipeline's grid: ``linspace(1, 1/steps, steps)`` (the scheduler's own where it sets
         ``use_flow_sigmas``) with ``mu = compute_empirical_mu(h w, steps)``, then 0; float32 ``[steps + 1]``."""
         from diffusers import FlowMatchEulerDiscreteScheduler
-        from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
 
         scheduler = FlowMatchEulerDiscreteScheduler.from_config(self.pipe.scheduler.config)
         _, h, w = self.latent_shape
+        compute_empirical_mu = importlib.import_module(type(self.pipe).__module__).compute_empirical_mu
         mu = compute_empirical_mu(image_seq_len=h * w, num_steps=steps)
         if scheduler.config.get("use_flow_sigmas"):
             scheduler.set_timesteps(steps, mu=mu, device="cpu")
@@ -170,35 +174,79 @@ class TinyFlux2(TinyFamily, Flux2Klein):
 
     @classmethod
     def build_tiny(cls, out: Path) -> None:
-        from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline
+        from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline
 
-        from solrl.stages.models.tiny_components import qwen3_encoder, qwen_tokenizer
+        from solrl.stages.models.tiny_components import flux2_vae, qwen3_encoder, qwen_tokenizer
 
         tokenizer = qwen_tokenizer()
-        torch.manual_seed(0)
-        vae = AutoencoderKLFlux2(
-            sample_size=32,
-            in_channels=3,
-            out_channels=3,
-            down_block_types=("DownEncoderBlock2D",) * 2,
-            up_block_types=("UpDecoderBlock2D",) * 2,
-            block_out_channels=(8, 8),
-            layers_per_block=1,
-            latent_channels=4,
-            norm_num_groups=4,
-            use_quant_conv=False,
-            use_post_quant_conv=False,
-        )
-        with torch.no_grad():  # running statistics other than (0, 1), so decoding exercises them
-            vae.bn.running_mean.copy_(torch.linspace(-0.2, 0.2, vae.bn.num_features))
-            vae.bn.running_var.copy_(torch.linspace(0.5, 2.0, vae.bn.num_features))
         Flux2KleinPipeline(
             scheduler=FlowMatchEulerDiscreteScheduler(
                 shift=3.0, use_dynamic_shifting=True, time_shift_type="exponential"
             ),  # FLUX.2-klein's published scheduler (the shift comes from compute_empirical_mu)
-            vae=vae,
+            vae=flux2_vae(),
             text_encoder=qwen3_encoder(tokenizer, hidden=16, layers=3, lm_head=True),
             tokenizer=tokenizer,
             transformer=cls.tiny_transformer(),
             is_distilled=True,
+        ).save_pretrained(out)
+
+
+@register_model("flux2")
+@dataclass
+class Flux2(Flux2Klein):
+    """FLUX.2-dev from a diffusers-format folder (``black-forest-labs/FLUX.2-dev``)."""
+
+    name: ClassVar[str] = "flux2"
+    hub_id: ClassVar[str] = PUBLISHED["flux2"].hub_id
+    weights_hint: ClassVar[str] = PUBLISHED["flux2"].hint
+    pipeline_class: ClassVar[str] = "Flux2Pipeline"
+    #: The Mistral-3 layers whose hidden states make the prompt embedding (the pipeline's default).
+    text_encoder_out_layers: ClassVar[tuple[int, ...]] = (10, 20, 30)
+
+
+@register_model("tiny-flux2-dev")
+@dataclass
+class TinyFlux2Dev(TinyFamily, Flux2):
+    """A tiny random FLUX.2-dev of the real classes (1 double + 1 single block with the guidance embedding, 32 px,
+    a 3-layer Mistral-3 with a Pixtral processor): the plumbing on CPU, not learning."""
+
+    name: ClassVar[str] = "tiny-flux2-dev"
+    default_resolution: ClassVar[int] = 32
+    resolution_multiple: ClassVar[int] = 4
+    #: The pipeline's system message takes about 180 of the tiny byte-level tokenizer's tokens before the prompt's.
+    default_max_sequence_length: ClassVar[int] = 320
+    text_encoder_out_layers: ClassVar[tuple[int, ...]] = (1, 2, 3)
+
+    @classmethod
+    def tiny_transformer(cls):  # -> diffusers.Flux2Transformer2DModel
+        """The tiny random transformer of this family (seeded: the same weights on every machine)."""
+        from diffusers import Flux2Transformer2DModel
+
+        torch.manual_seed(0)
+        return Flux2Transformer2DModel(
+            patch_size=1,
+            in_channels=16,
+            num_layers=1,
+            num_single_layers=1,
+            attention_head_dim=16,
+            num_attention_heads=2,
+            joint_attention_dim=48,
+            timestep_guidance_channels=256,
+            axes_dims_rope=[4, 4, 4, 4],
+            guidance_embeds=True,
+        )  # joint = 3 layers x the Mistral-3 width
+
+    @classmethod
+    def build_tiny(cls, out: Path) -> None:
+        from diffusers import FlowMatchEulerDiscreteScheduler, Flux2Pipeline
+
+        from solrl.stages.models.tiny_components import flux2_vae, mistral3_encoder, pixtral_processor
+
+        processor = pixtral_processor()
+        Flux2Pipeline(
+            scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True),
+            vae=flux2_vae(),
+            text_encoder=mistral3_encoder(processor.tokenizer, hidden=16, layers=3),
+            tokenizer=processor,
+            transformer=cls.tiny_transformer(),
         ).save_pretrained(out)

@@ -198,3 +198,108 @@ def autoencoder_kl(
         scaling_factor=scaling_factor,
         shift_factor=shift_factor,
     )
+
+
+def flux2_vae(seed: int = 0):  # -> diffusers.AutoencoderKLFlux2
+    """A 2-block ``AutoencoderKLFlux2`` (x2 downsampling, 4 latent channels) whose batch-norm running statistics are
+    not (0, 1), so decoding exercises FLUX.2's de-normalisation."""
+    from diffusers import AutoencoderKLFlux2
+
+    torch.manual_seed(seed)
+    vae = AutoencoderKLFlux2(
+        sample_size=32,
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        block_out_channels=(8, 8),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=4,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    )
+    with torch.no_grad():
+        vae.bn.running_mean.copy_(torch.linspace(-0.2, 0.2, vae.bn.num_features))
+        vae.bn.running_var.copy_(torch.linspace(0.5, 2.0, vae.bn.num_features))
+    return vae
+
+
+#: Mistral's chat turns, enough for FLUX.2-dev's system + user messages (content lists of text parts).
+MISTRAL_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}[SYSTEM_PROMPT]"
+    "{% for c in m['content'] %}{{ c['text'] }}{% endfor %}[/SYSTEM_PROMPT]{% elif m['role'] == 'user' %}[INST]"
+    "{% for c in m['content'] %}{% if c['type'] == 'text' %}{{ c['text'] }}{% else %}[IMG]{% endif %}{% endfor %}"
+    "[/INST]{% endif %}{% endfor %}"
+)
+
+
+def pixtral_processor():  # -> transformers.PixtralProcessor
+    """A Pixtral processor (what FLUX.2-dev's pipeline calls its tokenizer): a byte-level BPE without merges with
+    Mistral's control tokens, and a Pixtral image processor (never given an image here)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import PixtralImageProcessor, PixtralProcessor, PreTrainedTokenizerFast
+
+    controls = ["[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[IMG]", "[IMG_BREAK]", "[IMG_END]"]
+    vocab = {token: i for i, token in enumerate(["<unk>", "<s>", "</s>", "<pad>", *controls])}
+    for c in sorted(ByteLevel.alphabet()):
+        vocab.setdefault(c, len(vocab))
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        additional_special_tokens=controls,
+        model_max_length=4096,
+    )
+    return PixtralProcessor(
+        image_processor=PixtralImageProcessor(patch_size=16),
+        tokenizer=tokenizer,
+        patch_size=16,
+        chat_template=MISTRAL_CHAT_TEMPLATE,
+        image_token="[IMG]",
+        image_break_token="[IMG_BREAK]",
+        image_end_token="[IMG_END]",
+    )
+
+
+def mistral3_encoder(tokenizer, hidden: int, layers: int = 3, seed: int = 0):
+    """A small ``Mistral3ForConditionalGeneration`` (a 1-layer Pixtral vision tower that a text prompt never
+    reaches); FLUX.2-dev reads its text hidden states."""
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    config = Mistral3Config(
+        text_config={
+            "model_type": "mistral",
+            "hidden_size": hidden,
+            "intermediate_size": 2 * hidden,
+            "num_hidden_layers": layers,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": hidden // 2,
+            "vocab_size": len(tokenizer),
+            "max_position_embeddings": 4096,
+            "pad_token_id": tokenizer.pad_token_id,
+            "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
+        },
+        vision_config={
+            "model_type": "pixtral",
+            "hidden_size": 16,
+            "intermediate_size": 16,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "head_dim": 8,
+            "image_size": 32,
+            "patch_size": 16,
+        },
+        image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"),
+        spatial_merge_size=1,
+    )
+    return Mistral3ForConditionalGeneration(config).eval()
