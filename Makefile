@@ -28,8 +28,10 @@ lint: $(BIN)/.installed
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
 
+# Two pytest-xdist workers, one test file each at a time (module fixtures stay shared), one thread each
+# (tests/conftest.py): most of the suite waits on subprocesses and servers, so two workers halve its time on two cores.
 test: lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 clean:
 	rm -rf $(VENV) runs

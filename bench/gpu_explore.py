@@ -1,9 +1,13 @@
-"""Explore throughput of the SANA-1600M, FLUX.1-dev and SD3.5-Large transformers per precision, for a lent GPU.
+"""Explore throughput of each family's transformer at its published size per precision, for a lent GPU.
 
 Each family's transformer class at its published configuration with random weights: SANA 1.6B (diffusers'
 defaults; 1024 px, DC-AE f32 latents 32 x 32 x 32, 300 Gemma tokens), FLUX.1-dev (diffusers' defaults with the
 guidance embedding; 512 px, 1024 packed tokens, 512 T5 tokens), SD3.5-Large (38 blocks of 38 x 64; 1024 px,
-128 x 128 x 16 latents, 333 text tokens); batch 24, ``--steps`` Euler steps. Layers are quantized by each
+128 x 128 x 16 latents, 333 text tokens); the newer families at diffusers' default configuration of their class,
+which is the flagship published one: Z-Image-Turbo 6B (512 px, 128 caption tokens of Qwen3-4B), Qwen-Image 20B
+(512 px, 128 Qwen2.5-VL tokens), FLUX.2-dev 32B (512 px, 512 Mistral-3 tokens x 3 layers), Wan2.1-T2V 14B
+(256 px x 13 frames, 512 UMT5 tokens); FLUX.2-klein's 4B/9B widths are not among diffusers' defaults and are not
+benchmarked here. Batch 24, ``--steps`` Euler steps. Layers are quantized by each
 family's Sol-RL skip rule (its adapter's NVFP4 skip list and ``max(in, out) <= min_dim``). For each
 precision this machine runs (bf16, fp8, nvfp4 via Transformer Engine; fp8_emulated / nvfp4_emulated
 fake-quant for comparison), eager and with the repeated blocks compiled (``explore.compile``; the Sol-RL
@@ -14,7 +18,7 @@ Engine's layers are compiled around (they run eager inside the compiled blocks).
 writes its tables to ``$OUT/gpu_explore.md`` when ``OUT`` is set. On an H200 the emulated rows of FLUX and
 SD3.5 at batch 24 may take minutes: pick with ``--families``, ``--precisions`` and ``--compile``.
 
-    python bench/gpu_explore.py                          # on a GPU: all three families, eager and compiled
+    python bench/gpu_explore.py                          # on a GPU: every family, eager and compiled
     python bench/gpu_explore.py --families sana --batch 8 --compile compiled
     python bench/gpu_explore.py --smoke                  # tiny shapes on CPU: checks the script, not the numbers
 """
@@ -37,8 +41,12 @@ import torch
 
 from solrl.registry import EXPLORE_BACKENDS
 from solrl.stages.models.flux import Flux, TinyFlux
+from solrl.stages.models.flux2 import Flux2, TinyFlux2Dev
+from solrl.stages.models.qwen_image import QwenImage, TinyQwenImage
 from solrl.stages.models.sana import Sana, TinySana
 from solrl.stages.models.sd3 import SD3, TinySD3
+from solrl.stages.models.wan import TinyWan, Wan
+from solrl.stages.models.z_image import TinyZImage, ZImage
 from solrl.stages.quant import quantize_model_
 from solrl.stages.quant.availability import runnable_precisions, unavailable_reason
 from solrl.stages.sampling.compiled import compiled_blocks
@@ -53,6 +61,9 @@ class Case:
     build: Callable[[bool], torch.nn.Module]  # smoke -> transformer
     inputs: Callable[[bool, int, torch.device, torch.dtype], dict[str, torch.Tensor]]  # smoke, batch -> kwargs
     timestep_scale: float  # the transformer's timestep for sigma = 1 (1000, or 1 for FLUX)
+    #: ``(net, x, timestep, inputs) -> v`` for a transformer not called as ``net(hidden_states=x, timestep=t,
+    #: **inputs)`` (Z-Image takes lists); None for those that are.
+    call: Callable[..., torch.Tensor] | None = None
 
 
 def _randn(g: torch.Generator, device: torch.device, dtype: torch.dtype, *shape: int) -> torch.Tensor:
@@ -134,10 +145,92 @@ def _sd3_inputs(smoke: bool, batch: int, device: torch.device, dtype: torch.dtyp
     }
 
 
+def _z_image(smoke: bool) -> torch.nn.Module:
+    from diffusers import ZImageTransformer2DModel
+
+    return TinyZImage.tiny_transformer() if smoke else ZImageTransformer2DModel()  # defaults: Z-Image-Turbo 6B
+
+
+def _z_image_inputs(smoke: bool, batch: int, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    # 512 px: 64 x 64 x 16 latents (2x2 patches inside); 128 caption rows of Qwen3-4B's 2560
+    latent, tokens, text = ((16, 16, 16), 8, 32) if smoke else ((16, 64, 64), 128, 2560)
+    return {
+        "hidden_states": _randn(g, device, dtype, batch, *latent),
+        "captions": _randn(g, device, dtype, tokens, text),
+    }
+
+
+def _z_image_call(net: torch.nn.Module, x: torch.Tensor, t: torch.Tensor, inputs: dict) -> torch.Tensor:
+    """Z-Image's list inputs: one ``[C, 1, h, w]`` latent and one caption per sample."""
+    out = net(list(x.unsqueeze(2).unbind(0)), t, [inputs["captions"]] * len(x), return_dict=False)[0]
+    return torch.stack(out).squeeze(2)
+
+
+def _qwen_image(smoke: bool) -> torch.nn.Module:
+    from diffusers import QwenImageTransformer2DModel
+
+    return TinyQwenImage.tiny_transformer() if smoke else QwenImageTransformer2DModel()  # defaults: the 20B
+
+
+def _qwen_image_inputs(smoke: bool, batch: int, device: torch.device, dtype: torch.dtype) -> dict:
+    g = torch.Generator().manual_seed(0)
+    # 512 px: 64 x 64 x 16 latents packed 2x2 -> 1024 tokens of 64; 128 Qwen2.5-VL rows of 3584
+    side, channels, tokens, text = (4, 16, 8, 32) if smoke else (32, 64, 128, 3584)
+    return {
+        "hidden_states": _randn(g, device, dtype, batch, side * side, channels),
+        "encoder_hidden_states": _randn(g, device, dtype, batch, tokens, text),
+        "img_shapes": [[(1, side, side)]] * batch,
+    }
+
+
+def _flux2(smoke: bool) -> torch.nn.Module:
+    from diffusers import Flux2Transformer2DModel
+
+    return TinyFlux2Dev.tiny_transformer() if smoke else Flux2Transformer2DModel()  # defaults: FLUX.2-dev 32B
+
+
+def _flux2_inputs(smoke: bool, batch: int, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    # 512 px: 32 x 32 patchified latents of 128 -> 1024 tokens; 512 Mistral-3 tokens x 3 layers of 5120
+    side, channels, tokens, text = (4, 16, 8, 48) if smoke else (32, 128, 512, 15360)
+    img_ids = torch.cartesian_prod(torch.arange(1), torch.arange(side), torch.arange(side), torch.arange(1))
+    txt_ids = torch.cartesian_prod(torch.arange(1), torch.arange(1), torch.arange(1), torch.arange(tokens))
+    return {
+        "hidden_states": _randn(g, device, dtype, batch, side * side, channels),
+        "encoder_hidden_states": _randn(g, device, dtype, batch, tokens, text),
+        "img_ids": img_ids.expand(batch, -1, -1).to(device),
+        "txt_ids": txt_ids.expand(batch, -1, -1).to(device),
+        "guidance": torch.full((batch,), 4.0, device=device),
+    }
+
+
+def _wan(smoke: bool) -> torch.nn.Module:
+    from diffusers import WanTransformer3DModel
+
+    return TinyWan.tiny_transformer() if smoke else WanTransformer3DModel()  # defaults: Wan2.1-T2V 14B
+
+
+def _wan_inputs(smoke: bool, batch: int, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    # 256 px x 13 frames: 16 x 4 x 32 x 32 latents (1024 tokens of 1 x 2 x 2 patches); 512 UMT5 tokens of 4096
+    latent, tokens, text = ((16, 2, 4, 4), 8, 32) if smoke else ((16, 4, 32, 32), 512, 4096)
+    return {
+        "hidden_states": _randn(g, device, dtype, batch, *latent),
+        "encoder_hidden_states": _randn(g, device, dtype, batch, tokens, text),
+    }
+
+
+#: Families by name; min_dim 0 for the newer ones (issue 19's rule: attention and MLP projections quantized, the
+#: skip list keeps embedders, norms, modulation and final layers).
 CASES = {
     "sana": Case(Sana, 2240, _sana, _sana_inputs, 1000.0),
     "flux": Case(Flux, 1000, _flux, _flux_inputs, 1.0),
     "sd3": Case(SD3, 2432, _sd3, _sd3_inputs, 1000.0),
+    "z-image": Case(ZImage, 0, _z_image, _z_image_inputs, 1.0, _z_image_call),
+    "qwen-image": Case(QwenImage, 0, _qwen_image, _qwen_image_inputs, 1.0),
+    "flux2": Case(Flux2, 0, _flux2, _flux2_inputs, 1.0),
+    "wan": Case(Wan, 0, _wan, _wan_inputs, 1000.0),
 }
 
 
@@ -164,21 +257,29 @@ def sync(device: torch.device) -> None:
 
 @torch.no_grad()
 def measure(
-    net: torch.nn.Module, inputs: dict[str, torch.Tensor], steps: int, scale: float, device: torch.device
+    net: torch.nn.Module,
+    inputs: dict[str, torch.Tensor],
+    steps: int,
+    scale: float,
+    device: torch.device,
+    call: Callable[..., torch.Tensor] | None = None,
 ) -> float:
-    """Seconds for one batch of ``steps`` Euler steps (after one warm-up step); timestep = sigma x ``scale``."""
+    """Seconds for one batch of ``steps`` Euler steps (after one warm-up step); timestep = sigma x ``scale``;
+    ``call`` the family's own transformer call (``Case.call``), if any."""
+
+    def velocity(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        if call is not None:
+            return call(net, x, t, inputs)
+        return net(**{**inputs, "hidden_states": x}, timestep=t, return_dict=False)[0]
+
     x = inputs["hidden_states"].clone()
     batch = x.shape[0]
-    net(**inputs, timestep=torch.full((batch,), 0.999 * scale, device=device))  # warm-up (TE/cuBLAS autotuning)
+    velocity(x, torch.full((batch,), 0.999 * scale, device=device))  # warm-up (TE/cuBLAS autotuning)
     sync(device)
     start = time.perf_counter()
     for i in range(steps):
         sigma = 1.0 - i / steps
-        v = net(
-            **{**inputs, "hidden_states": x},
-            timestep=torch.full((batch,), sigma * scale, device=device),
-            return_dict=False,
-        )[0]
+        v = velocity(x, torch.full((batch,), sigma * scale, device=device))
         x = x - (1.0 / steps) * v.to(x.dtype)
     sync(device)
     return time.perf_counter() - start
@@ -188,7 +289,14 @@ def run_case(name: str, args: argparse.Namespace, device: torch.device) -> str:
     """The table of one family: a row per precision."""
     case = CASES[name]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    net = case.build(args.smoke).to(device, dtype).eval().requires_grad_(False)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built in place: FLUX.2-dev's 32B in float32 on the host would need 128 GB
+    try:
+        with torch.device(device):
+            net = case.build(args.smoke)
+    finally:
+        torch.set_default_dtype(default)
+    net = net.to(device, dtype).eval().requires_grad_(False)
     batch = 4 if args.smoke else args.batch
     inputs = case.inputs(args.smoke, batch, device, dtype)
     params = sum(p.numel() for p in net.parameters())
@@ -214,10 +322,10 @@ def run_case(name: str, args: argparse.Namespace, device: torch.device) -> str:
                     eager = EXPLORE_BACKENDS.get(precision).eager_layer
                     repeated = case.family.repeated_blocks
                     with compiled_blocks(copy_net, args.mode, fallback=repeated, eager=eager, what=precision) as st:
-                        seconds = measure(copy_net, inputs, args.steps, case.timestep_scale, device)
+                        seconds = measure(copy_net, inputs, args.steps, case.timestep_scale, device, case.call)
                     compile_seconds = st.seconds
                 else:
-                    seconds = measure(copy_net, inputs, args.steps, case.timestep_scale, device)
+                    seconds = measure(copy_net, inputs, args.steps, case.timestep_scale, device, case.call)
             except Exception as exc:  # one failing backend must not hide the others' rows
                 failed = f"failed: {exc.__class__.__name__}: {str(exc)[:160]}"
                 rows.append((precision, label, None, f"| - | - | - | - | - | {failed} |"))

@@ -19,6 +19,11 @@ os.environ.pop("MLFLOW_TRACKING_URI", None)
 os.environ.pop("PREFECT_API_URL", None)
 # The tiny families build their random models on first use here, not in the user's ~/.cache/solrl.
 os.environ["SOLRL_CACHE"] = tempfile.mkdtemp(prefix="solrl-cache-")
+#: Under pytest-xdist (`make test` runs two workers) each worker and the processes it starts get one thread, so
+#: the workers never compete for the machine's two cores.
+XDIST = bool(os.environ.get("PYTEST_XDIST_WORKER"))
+if XDIST:
+    os.environ["OMP_NUM_THREADS"] = "1"
 
 from pathlib import Path  # noqa: E402
 
@@ -27,7 +32,7 @@ import torch  # noqa: E402
 
 from solrl.config import RunConfig, load_config  # noqa: E402
 
-torch.set_num_threads(min(2, torch.get_num_threads()))
+torch.set_num_threads(1 if XDIST else min(2, torch.get_num_threads()))
 
 #: Overrides that make a tiny-digits run take seconds: 2 prompts x pool 8, keep 4, 2 iterations,
 #: a full-pool fidelity audit at iteration 2.

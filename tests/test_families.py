@@ -308,3 +308,36 @@ def test_a_local_copy_of_a_published_variant_is_told_where_that_variant_is_publi
     assert result.exit_code == 2, result.output
     assert f"{folder}/model_index.json is missing (sd3 weights)" in result.stderr
     assert "huggingface.co/stabilityai/stable-diffusion-3.5-medium" in result.stderr and not store.exists()
+
+
+@pytest.mark.slow
+def test_tiny_wan_with_two_shards_equals_the_one_shard_run_and_its_videos_are_drawn(tmp_path: Path):
+    """Issue 19: the video family through the sharded Prefect flow gives the one-shard run's pools, rewards,
+    selections and checkpoints; `inspect`, `show` and `report --html` draw its videos."""
+    from test_shards import assert_same_outputs
+
+    from solrl.flows.sol_rl import campaign
+    from solrl.storage.runs import create_run
+
+    run_dirs = {}
+    for shards in (1, 2):
+        run = create_run(_config("tiny-wan", tmp_path / f"store{shards}", f"campaign.shards={shards}"), "wan")
+        campaign(str(run.run_dir.parent), run.run_id)
+        run_dirs[shards] = run.run_dir
+    assert_same_outputs(run_dirs[2], run_dirs[1])
+
+    store = str(tmp_path / "store2")
+    shown = CliRunner().invoke(
+        app, ["show", "wan", "--iteration", "2", "--prompt", "0", "--store", store, "--out", str(tmp_path)]
+    )
+    assert shown.exit_code == 0, shown.output
+    from PIL import Image
+
+    picture = Image.open(tmp_path / "wan-iter2-prompt0.png")  # 8 candidates, each a strip of 4 of its 5 frames
+    assert picture.width > 4 * 32 * 4 and "8 candidates, 4 kept" in shown.output
+    inspected = CliRunner().invoke(app, ["inspect", "wan", "--iteration", "2", "--store", store])
+    assert inspected.exit_code == 0, inspected.output
+    report = CliRunner().invoke(app, ["report", "wan", "--store", store, "--html", str(tmp_path / "wan.html")])
+    assert report.exit_code == 0, report.output
+    html = (tmp_path / "wan.html").read_text()
+    assert html.count("data:image/png;base64,") >= 2  # the kept seeds' and the evaluations' frame strips
