@@ -47,10 +47,10 @@ def evaluation_alarms(
     bounds: CampaignConfig,
     period: int | None = None,
 ) -> list[Alarm]:
-    """The alarms of an evaluation's metrics (``eval/diversity``, ``eval/grid_energy``, ``eval/temporal_change``
-    of videos) against the starting
-    policy's evaluation ``start`` (None at iteration 0: no alarm), with the bounds ``campaign.guard_*`` of
-    ``bounds``; ``period`` the patch period in pixels, named in the grid alarm's message."""
+    """The alarms of an evaluation's metrics (``eval/diversity``, ``eval/grid_energy``, and for videos
+    ``eval/temporal_change``) against the starting policy's evaluation ``start`` (None at iteration 0: no alarm),
+    with the bounds ``campaign.guard_*`` of ``bounds``; ``period`` the patch period in pixels, named in the grid
+    alarm's message."""
     if start is None:
         return []
     alarms = []
