@@ -6,8 +6,9 @@ guidance embedding; 512 px, 1024 packed tokens, 512 T5 tokens), SD3.5-Large (38 
 128 x 128 x 16 latents, 333 text tokens); the newer families at diffusers' default configuration of their class,
 which is the flagship published one: Z-Image-Turbo 6B (512 px, 128 caption tokens of Qwen3-4B), Qwen-Image 20B
 (512 px, 128 Qwen2.5-VL tokens), FLUX.2-dev 32B (512 px, 512 Mistral-3 tokens x 3 layers), Wan2.1-T2V 14B
-(256 px x 13 frames, 512 UMT5 tokens); FLUX.2-klein's 4B/9B widths are not among diffusers' defaults and are not
-benchmarked here. Batch 24, ``--steps`` Euler steps. Layers are quantized by each
+(256 px x 13 frames, 512 UMT5 tokens); FLUX.2-klein 4B, which is not a diffusers default: 5 double and 20 single
+blocks (as its ports describe it), 24 heads of 128 inferred from its 4B parameters (3.9B with these), 512 Qwen3-4B
+tokens x 3 layers of 2560. Batch 24, ``--steps`` Euler steps. Layers are quantized by each
 family's Sol-RL skip rule (its adapter's NVFP4 skip list and ``max(in, out) <= min_dim``). For each
 precision this machine runs (bf16, fp8, nvfp4 via Transformer Engine; fp8_emulated / nvfp4_emulated
 fake-quant for comparison), eager and with the repeated blocks compiled (``explore.compile``; the Sol-RL
@@ -41,7 +42,7 @@ import torch
 
 from solrl.registry import EXPLORE_BACKENDS
 from solrl.stages.models.flux import Flux, TinyFlux
-from solrl.stages.models.flux2 import Flux2, TinyFlux2Dev
+from solrl.stages.models.flux2 import Flux2, Flux2Klein, TinyFlux2, TinyFlux2Dev
 from solrl.stages.models.qwen_image import QwenImage, TinyQwenImage
 from solrl.stages.models.sana import Sana, TinySana
 from solrl.stages.models.sd3 import SD3, TinySD3
@@ -205,6 +206,23 @@ def _flux2_inputs(smoke: bool, batch: int, device: torch.device, dtype: torch.dt
     }
 
 
+def _flux2_klein(smoke: bool) -> torch.nn.Module:
+    from diffusers import Flux2Transformer2DModel
+
+    if smoke:
+        return TinyFlux2.tiny_transformer()
+    return Flux2Transformer2DModel(
+        num_layers=5, num_single_layers=20, num_attention_heads=24, joint_attention_dim=7680, guidance_embeds=False
+    )
+
+
+def _flux2_klein_inputs(smoke: bool, batch: int, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    inputs = _flux2_inputs(smoke, batch, device, dtype)
+    g = torch.Generator().manual_seed(1)
+    tokens, text = inputs["encoder_hidden_states"].shape[1], 48 if smoke else 7680
+    return {**inputs, "encoder_hidden_states": _randn(g, device, dtype, batch, tokens, text), "guidance": None}
+
+
 def _wan(smoke: bool) -> torch.nn.Module:
     from diffusers import WanTransformer3DModel
 
@@ -230,6 +248,7 @@ CASES = {
     "z-image": Case(ZImage, 0, _z_image, _z_image_inputs, 1.0, _z_image_call),
     "qwen-image": Case(QwenImage, 0, _qwen_image, _qwen_image_inputs, 1.0),
     "flux2": Case(Flux2, 0, _flux2, _flux2_inputs, 1.0),
+    "flux2-klein": Case(Flux2Klein, 0, _flux2_klein, _flux2_klein_inputs, 1.0),
     "wan": Case(Wan, 0, _wan, _wan_inputs, 1000.0),
 }
 

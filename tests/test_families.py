@@ -5,6 +5,7 @@ tiny-digits with NVFP4-emulated explore, and their exported LoRA loaded by the s
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import diffusers
@@ -341,3 +342,20 @@ def test_tiny_wan_with_two_shards_equals_the_one_shard_run_and_its_videos_are_dr
     assert report.exit_code == 0, report.output
     html = (tmp_path / "wan.html").read_text()
     assert html.count("data:image/png;base64,") >= 2  # the kept seeds' and the evaluations' frame strips
+
+
+def test_the_gpu_benchmark_script_runs_every_family_at_smoke_size(tmp_path: Path):
+    """bench/gpu_explore.py, kept ready for a lent GPU: every family's transformer call and explore copy, with
+    the tiny transformers on CPU (the numbers are not the point)."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "bench" / "gpu_explore.py"
+    env = {**os.environ, "OUT": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    args = ["--smoke", "--compile", "eager", "--precisions", "bf16", "nvfp4_emulated", "--steps", "1"]
+    done = subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    tables = (tmp_path / "gpu_explore.md").read_text()
+    for family in ("sana", "flux", "sd3", "z-image", "qwen-image", "flux2", "flux2-klein", "wan"):
+        assert f"{family} (smoke" in tables
+    assert "failed" not in tables
