@@ -182,6 +182,7 @@ def test_two_iteration_campaign_through_the_prefect_flow_with_nvfp4_explore(tmp_
         ("flux2-klein-4b", "huggingface.co/black-forest-labs/FLUX.2-klein-4B"),
         ("flux2-dev", "huggingface.co/black-forest-labs/FLUX.2-dev"),
         ("wan21-t2v-1.3b", "huggingface.co/Wan-AI/Wan2.1-T2V-1.3B-Diffusers"),
+        ("wan21-t2v-14b", "huggingface.co/Wan-AI/Wan2.1-T2V-14B-Diffusers"),
     ],
 )
 def test_a_real_preset_without_its_weights_exits_2_naming_the_path_and_where_they_are_published(
