@@ -25,7 +25,9 @@ ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
 def start_run(store: Path, run_id: str) -> subprocess.Popen[str]:
-    """``solrl run`` of the tiny config in its own session (so the test can signal its process group)."""
+    """``solrl run`` of the tiny config in its own session (so the test can signal its process group), with
+    Ctrl-C's SIGINT handled as in a terminal: a suite started in the background of a non-interactive shell
+    inherits SIGINT ignored, and Python then never raises KeyboardInterrupt."""
     overrides = [a for o in [*TINY, f"storage.root={store}"] for a in ("--set", o)]
     return subprocess.Popen(
         [*SOLRL, "run", *overrides, "--run-id", run_id],
@@ -34,6 +36,7 @@ def start_run(store: Path, run_id: str) -> subprocess.Popen[str]:
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
 
 
