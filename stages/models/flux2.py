@@ -182,7 +182,8 @@ class TinyFlux2(TinyFamily, Flux2Klein):
         Flux2KleinPipeline(
             scheduler=FlowMatchEulerDiscreteScheduler(
                 shift=3.0, use_dynamic_shifting=True, time_shift_type="exponential"
-            ),  # FLUX.2-klein's published scheduler (the shift comes from compute_empirical_mu)
+            ),  # dynamic and exponential, as the FLUX.2 pipelines expect (mu from compute_empirical_mu); not checked
+            # against the published scheduler_config.json, which the real family reads at run time
             vae=flux2_vae(),
             text_encoder=qwen3_encoder(tokenizer, hidden=16, layers=3, lm_head=True),
             tokenizer=tokenizer,

@@ -223,7 +223,8 @@ class TinyQwenImage(TinyFamily, QwenImage):
                 max_image_seq_len=8192,
                 shift_terminal=0.02,
                 time_shift_type="exponential",
-            ),  # Qwen-Image's published scheduler
+            ),  # Qwen-Image's scheduler_config.json as recalled (not checked against the file, which the real
+            # family reads at run time): exponential dynamic shift 0.5 -> 0.9 over 256 -> 8192 tokens, terminal 0.02
             vae=vae,
             text_encoder=text_encoder,
             tokenizer=tokenizer,

@@ -96,7 +96,7 @@ class ZImage(DiffusersFamily):
         return -torch.stack(out).squeeze(2)
 
     def sigmas(self, steps: int) -> torch.Tensor:
-        """ZImagePipeline's grid through the published scheduler; float32 ``[steps + 1]``."""
+        """ZImagePipeline's grid through the pipeline's own scheduler; float32 ``[steps + 1]``."""
         _, h, w = self.latent_shape
         return self.pipeline_sigmas(steps, (h // self.patch_size) * (w // self.patch_size))
 
@@ -142,7 +142,7 @@ class TinyZImage(TinyFamily, ZImage):
 
         tokenizer = qwen_tokenizer()
         ZImagePipeline(
-            scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),  # Z-Image-Turbo's published scheduler
+            scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),  # Z-Image-Turbo's: static shift 3
             vae=autoencoder_kl(0.3611, 0.1159, latent_channels=16),  # the published VAE's scaling and shift
             text_encoder=qwen3_encoder(tokenizer, hidden=32),
             tokenizer=tokenizer,
