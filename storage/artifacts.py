@@ -86,7 +86,8 @@ class Artifact:
 @dataclass
 class ZarrArtifact(Artifact):
     """Arrays sharing a leading prompt axis, one Zarr group, chunked one prompt per chunk (so a shard of
-    prompts writes its own region), every array with named dimensions (xarray opens the store)."""
+    prompts writes its own region; videos one video per chunk), every array with named dimensions (xarray opens
+    the store)."""
 
     #: array name -> dimension names; arrays may be absent (None) unless listed in ``required``.
     dims: ClassVar[dict[str, tuple[str, ...]]]
@@ -118,6 +119,8 @@ class ZarrArtifact(Artifact):
             if len(dims) != data.ndim:
                 raise ValueError(f"{type(self).__name__}.{name}: shape {data.shape} does not match dims {dims}")
             chunks = (1, *data.shape[1:]) if data.ndim > 1 else data.shape
+            if "frame" in dims or "latent_frame" in dims:  # a prompt's pool of 81-frame videos is gigabytes
+                chunks = (1, 1, *data.shape[2:])  # one video per chunk
             array = group.create_array(name, shape=data.shape, dtype=data.dtype, chunks=chunks, dimension_names=dims)
             array[...] = data
             fault_point("write")  # test-only: a kill between two arrays of one store

@@ -56,6 +56,7 @@ def test_video_arrays_get_a_frame_dimension_in_the_stores(tmp_path: Path):
 
     dataset = xarray.open_zarr(tmp_path / CandidatePool.filename)
     assert dataset["images"].dims == ("prompt", "candidate", "frame", "y", "x", "rgb")
+    assert dataset["images"].encoding["chunks"] == (1, 1, 5, 4, 4, 3)  # one video per chunk
     assert CandidatePool.read(tmp_path / CandidatePool.filename).images.shape == (1, 2, 5, 4, 4, 3)
 
 
