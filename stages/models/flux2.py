@@ -39,6 +39,26 @@ from solrl.weights import PUBLISHED
 _DOUBLE = r"attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)|ff(_context)?\.linear_(in|out)"
 
 
+def tiny_flux2_transformer(guidance_embeds: bool):  # -> diffusers.Flux2Transformer2DModel
+    """The tiny twins' random transformer: 1 double + 1 single block of 2 heads of 16, seeded. ``in_channels`` is 4x
+    the tiny VAE's latent channels; ``joint_attention_dim`` 3 layers x the tiny text encoders' width of 16."""
+    from diffusers import Flux2Transformer2DModel
+
+    torch.manual_seed(0)
+    return Flux2Transformer2DModel(
+        patch_size=1,
+        in_channels=16,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=48,
+        timestep_guidance_channels=256,
+        axes_dims_rope=[4, 4, 4, 4],
+        guidance_embeds=guidance_embeds,
+    )
+
+
 @register_model("flux2-klein")
 @dataclass
 class Flux2Klein(DiffusersFamily):
@@ -156,21 +176,7 @@ class TinyFlux2(TinyFamily, Flux2Klein):
     @classmethod
     def tiny_transformer(cls):  # -> diffusers.Flux2Transformer2DModel
         """The tiny random transformer of this family (seeded: the same weights on every machine)."""
-        from diffusers import Flux2Transformer2DModel
-
-        torch.manual_seed(0)
-        return Flux2Transformer2DModel(
-            patch_size=1,
-            in_channels=16,
-            num_layers=1,
-            num_single_layers=1,
-            attention_head_dim=16,
-            num_attention_heads=2,
-            joint_attention_dim=48,
-            timestep_guidance_channels=256,
-            axes_dims_rope=[4, 4, 4, 4],
-            guidance_embeds=False,
-        )  # in_channels = 4 x the VAE's latent channels; joint = 3 layers x the Qwen3 width
+        return tiny_flux2_transformer(guidance_embeds=False)
 
     @classmethod
     def build_tiny(cls, out: Path) -> None:
@@ -221,21 +227,7 @@ class TinyFlux2Dev(TinyFamily, Flux2):
     @classmethod
     def tiny_transformer(cls):  # -> diffusers.Flux2Transformer2DModel
         """The tiny random transformer of this family (seeded: the same weights on every machine)."""
-        from diffusers import Flux2Transformer2DModel
-
-        torch.manual_seed(0)
-        return Flux2Transformer2DModel(
-            patch_size=1,
-            in_channels=16,
-            num_layers=1,
-            num_single_layers=1,
-            attention_head_dim=16,
-            num_attention_heads=2,
-            joint_attention_dim=48,
-            timestep_guidance_channels=256,
-            axes_dims_rope=[4, 4, 4, 4],
-            guidance_embeds=True,
-        )  # joint = 3 layers x the Mistral-3 width
+        return tiny_flux2_transformer(guidance_embeds=True)
 
     @classmethod
     def build_tiny(cls, out: Path) -> None:

@@ -175,6 +175,21 @@ def gemma2_encoder(tokenizer: GemmaTokenizer, hidden: int, seed: int = 0) -> Gem
     ).eval()
 
 
+#: The tiny VAEs' shared layout: two blocks of 8 channels (x2 downsampling), no (post-)quant convs, 32 px.
+_TINY_VAE = dict(
+    in_channels=3,
+    out_channels=3,
+    down_block_types=("DownEncoderBlock2D",) * 2,
+    up_block_types=("UpDecoderBlock2D",) * 2,
+    block_out_channels=(8, 8),
+    layers_per_block=1,
+    norm_num_groups=4,
+    sample_size=32,
+    use_quant_conv=False,
+    use_post_quant_conv=False,
+)
+
+
 def autoencoder_kl(
     scaling_factor: float, shift_factor: float, seed: int = 0, latent_channels: int = 4
 ):  # -> diffusers.AutoencoderKL
@@ -184,19 +199,7 @@ def autoencoder_kl(
 
     torch.manual_seed(seed)
     return AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 2,
-        up_block_types=("UpDecoderBlock2D",) * 2,
-        block_out_channels=(8, 8),
-        layers_per_block=1,
-        latent_channels=latent_channels,
-        norm_num_groups=4,
-        sample_size=32,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-        scaling_factor=scaling_factor,
-        shift_factor=shift_factor,
+        **_TINY_VAE, latent_channels=latent_channels, scaling_factor=scaling_factor, shift_factor=shift_factor
     )
 
 
@@ -206,19 +209,7 @@ def flux2_vae(seed: int = 0):  # -> diffusers.AutoencoderKLFlux2
     from diffusers import AutoencoderKLFlux2
 
     torch.manual_seed(seed)
-    vae = AutoencoderKLFlux2(
-        sample_size=32,
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 2,
-        up_block_types=("UpDecoderBlock2D",) * 2,
-        block_out_channels=(8, 8),
-        layers_per_block=1,
-        latent_channels=4,
-        norm_num_groups=4,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-    )
+    vae = AutoencoderKLFlux2(**_TINY_VAE, latent_channels=4)
     with torch.no_grad():
         vae.bn.running_mean.copy_(torch.linspace(-0.2, 0.2, vae.bn.num_features))
         vae.bn.running_var.copy_(torch.linspace(0.5, 2.0, vae.bn.num_features))
