@@ -91,8 +91,8 @@ class ModelConfig(_Section):
     num_frames: int | None = Field(
         None,
         ge=1,
-        description="Frames per video of a video family (Wan: 4k + 1); null = the family's default. Image "
-        "families ignore it.",
+        description="Frames per video of a video family (Wan: 4k + 1); null = the family's default. Refused for "
+        "an image family.",
     )
     lora_rank: int = Field(8, ge=1, description="LoRA rank of the trained policy adapter (peft).")
     lora_alpha: float = Field(8.0, gt=0, description="LoRA alpha (scaling = alpha / rank).")

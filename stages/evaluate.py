@@ -117,7 +117,7 @@ def _summary(ctx: StageContext, out: Path, drawn: EvalSamples, table: EvalMetric
     means = table.frame.groupby("reward", sort=False)["mean"]
     metrics = {f"eval/{name}": float(values.to_numpy(np.float64).mean()) for name, values in means}
     metrics["eval/diversity"] = pairwise_diversity(grid)
-    if grid.ndim == 6:  # videos: the temporal guard's measure
+    if grid.ndim == 6 and grid.shape[2] >= 2:  # videos: the temporal guard's measure (none for one frame)
         metrics["eval/temporal_change"] = float(temporal_change(grid.reshape(-1, *grid.shape[2:])).mean())
     period = int(drawn.attrs["grid_period"])
     if period >= 2:

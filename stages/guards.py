@@ -95,9 +95,9 @@ def evaluation_alarms(
                     iteration,
                     change,
                     bound,
-                    f"frame-to-frame change {change:.4f} is {change / change_start:.1f}x the starting policy's "
-                    f"{change_start:.4f} (alarm above {bounds.guard_temporal_factor:g}x it): the videos may flicker "
-                    f"to game a per-frame reward; look at samples.png",
+                    f"temporal change (frame to frame) {change:.4f} is {change / change_start:.1f}x the starting "
+                    f"policy's {change_start:.4f} (alarm above {bounds.guard_temporal_factor:g}x it): the videos may "
+                    f"flicker to game a per-frame reward; look at samples.png",
                 )
             )
     return alarms
@@ -211,5 +211,5 @@ def evaluation_summary(run_dir: Path, up_to: int) -> str | None:
         parts.append(f"grid energy {grid:.5f} ({grid / grid_start:.1f}x start)")
     change, change_start = now.metrics.get("eval/temporal_change"), start.metrics.get("eval/temporal_change")
     if change is not None and change_start:
-        parts.append(f"frame change {change:.4f} ({change / change_start:.1f}x start)")
+        parts.append(f"temporal change {change:.4f} ({change / change_start:.1f}x start)")
     return f"iteration {last}: " + ", ".join(parts)

@@ -2,9 +2,10 @@
 
 The page holds, as inline PNGs: the training reward (explore pool and BF16 regenerated samples) and every
 evaluation reward over iterations; proxy fidelity (kept-seed rank agreement) and the full-pool audits; sample
-diversity and the grid-artifact energy; the seconds of each stage per iteration; each iteration's best/worst
-grid and the latest evaluation samples; then the config. A run that died mid-iteration shows what exists and
-lists the stages not committed. The campaign flow logs the same figures to MLflow (``report/``).
+diversity, the grid-artifact energy and, for videos, the temporal change; the seconds of each stage per
+iteration; each iteration's best/worst grid and the latest evaluation samples; then the config. A run that died
+mid-iteration shows what exists and lists the stages not committed. The campaign flow logs the same figures to
+MLflow (``report/``).
 
 A small script in the page records, once loaded, how many of its figures decoded
 (``<body data-figures-rendered="N" data-figures="M">``) and where each one landed (``data-geometry``: a JSON
@@ -32,9 +33,12 @@ CURVES = (
     ("Evaluation rewards (held-out prompts, fixed seeds)", ("eval/",)),
     ("Proxy fidelity (explore vs BF16 ranking of the kept seeds)", ("fidelity/",)),
     ("Full-pool audits (whole pools regenerated in BF16)", ("audit/",)),
-    ("Guards: sample diversity and grid-artifact energy", ("eval/diversity", "eval/grid_energy")),
+    (
+        "Guards: sample diversity, grid-artifact energy and (videos) temporal change",
+        ("eval/diversity", "eval/grid_energy", "eval/temporal_change"),
+    ),
 )
-_GUARDS = ("eval/diversity", "eval/grid_energy")
+_GUARDS = ("eval/diversity", "eval/grid_energy", "eval/temporal_change")
 
 
 def _columns(frame: pd.DataFrame, wanted: Sequence[str]) -> list[str]:

@@ -129,6 +129,22 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _process_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def plain_modes(root: Path) -> None:
+    """Give ``root`` (a file, or a folder and everything under it) the permission bits a plain ``open`` or
+    ``mkdir`` gives under the process umask. safetensors writes its files 0600 and ``tempfile.mkdtemp`` makes
+    folders 0700: a store's checkpoints, an exported LoRA or a built tiny model would otherwise be unreadable
+    to the other users of a shared machine."""
+    mask = _process_umask()
+    for path in [root, *root.rglob("*")] if root.is_dir() else [root]:
+        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~mask)
+
+
 def _fsync_tree(root: Path) -> dict[str, FileEntry]:
     """fsync every file under ``root`` and return their entries (posix relative paths)."""
     entries = {}
@@ -232,6 +248,7 @@ def commit(
     _committing = (iteration, stage)
     try:
         output = write(tmp)
+        plain_modes(tmp)
         files = _fsync_tree(tmp)
         remove_dir(final)
         os.replace(tmp, final)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -94,6 +95,15 @@ def test_checkpoint_stage_and_solrl_export_write_a_loadable_lora(tmp_path: Path,
     assert f"iteration 1 written to {tmp_path / 'out' / LORA_WEIGHTS}" in result.stdout
     torch.testing.assert_close(load_file(tmp_path / "out" / LORA_WEIGHTS), load_file(in_checkpoint / LORA_WEIGHTS))
     assert (tmp_path / "out" / LORA_WEIGHTS).read_bytes() == (in_checkpoint / LORA_WEIGHTS).read_bytes()
+    umask = os.umask(0)
+    os.umask(umask)
+    readable = 0o666 & ~umask  # not safetensors' 0600: other users of a shared machine can load them
+    for written in (
+        tmp_path / "out" / LORA_WEIGHTS,
+        in_checkpoint / LORA_WEIGHTS,
+        *in_checkpoint.parent.glob("*.safetensors"),
+    ):
+        assert written.stat().st_mode & 0o777 == readable, written
     assert len(list((run.run_dir / "prompt_embeddings").iterdir())) == 1  # export encoded no prompts
     stock = _stock_transformer_with(in_checkpoint, caplog)
     policy = ctx.load_policy(Checkpoint.load(run.run_dir, 1))

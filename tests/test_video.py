@@ -29,8 +29,8 @@ def test_a_frame_strip_shows_evenly_spaced_frames_side_by_side():
     videos = np.zeros((2, 5, 1, 1, 3), dtype=np.uint8)
     videos[:, :, 0, 0, 0] = np.arange(5) * 10  # frame f has red 10 f
     strip = frame_strip(videos)
-    assert strip.shape == (2, 1, 4, 3)
-    assert strip[0, 0, :, 0].tolist() == [0, 10, 30, 40]  # linspace(0, 4, 4) rounded: frames 0, 1, 3, 4
+    assert strip.shape == (2, 1, 7, 3)  # 4 frames and 3 white gaps
+    assert strip[0, 0, :, 0].tolist() == [0, 255, 10, 255, 30, 255, 40]  # linspace(0, 4, 4) rounded: 0, 1, 3, 4
 
 
 def test_a_videos_grid_energy_is_the_mean_of_its_frames():
@@ -98,3 +98,16 @@ def test_a_video_family_refuses_a_frame_count_its_vae_cannot_encode(tmp_path: Pa
     with pytest.raises(ConfigError, match=r"4k \+ 1 frames.*e\.g\. 5 or 9"):
         load_config("tiny-wan", [f"storage.root={tmp_path}", "model.num_frames=6"])
     assert load_config("tiny-wan", [f"storage.root={tmp_path}", "model.num_frames=9"]).model.num_frames == 9
+
+
+@pytest.mark.parametrize(
+    ("preset", "override", "message"),
+    [
+        ("tiny-flux", "model.num_frames=5", "tiny-flux is an image family; model.num_frames is for video families"),
+        ("tiny-digits", "model.num_frames=5", "tiny-digits is an image family"),
+        ("tiny-wan", "reward.frame_stride=99", "reward.frame_stride=99 with model.num_frames=5 scores the first frame"),
+    ],
+)
+def test_frame_settings_that_would_be_ignored_are_refused(tmp_path: Path, preset: str, override: str, message: str):
+    with pytest.raises(ConfigError, match=message):
+        load_config(preset, [f"storage.root={tmp_path}", override])

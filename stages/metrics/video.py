@@ -31,17 +31,21 @@ def temporal_change(videos: np.ndarray) -> np.ndarray:
     return np.abs(np.diff(x, axis=1)).mean(axis=(1, 2, 3, 4)).astype(np.float32)
 
 
-def frame_strip(videos: np.ndarray, frames: int = STRIP_FRAMES) -> np.ndarray:
-    """Each video as one image: ``frames`` evenly spaced frames side by side.
+def frame_strip(videos: np.ndarray, frames: int = STRIP_FRAMES, gap: int = 1) -> np.ndarray:
+    """Each video as one image: ``frames`` evenly spaced frames side by side, ``gap`` white columns between them
+    (so the frames read as frames).
 
     Args:
         videos: uint8 ``[..., F, H, W, 3]``.
 
     Returns:
-        uint8 ``[..., H, k W, 3]`` with ``k = min(frames, F)``.
+        uint8 ``[..., H, k W + (k - 1) gap, 3]`` with ``k = min(frames, F)``.
     """
     F = videos.shape[-4]
     picks = np.unique(np.linspace(0, F - 1, min(frames, F)).round().astype(int))
-    chosen = np.take(videos, picks, axis=-4)  # [..., k, H, W, 3]
-    moved = np.moveaxis(chosen, -4, -3)  # [..., H, k, W, 3]
-    return moved.reshape(*moved.shape[:-3], moved.shape[-3] * moved.shape[-2], 3)
+    separator = np.full((*videos.shape[:-4], videos.shape[-3], gap, 3), 255, dtype=videos.dtype)
+    parts = []
+    for i, f in enumerate(picks):
+        parts += [separator] if i else []
+        parts.append(videos[..., f, :, :, :])
+    return np.concatenate(parts, axis=-2)

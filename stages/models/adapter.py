@@ -25,6 +25,7 @@ from torch import nn
 from solrl.config import ConfigError, ModelConfig, RunConfig
 from solrl.registry import MODELS
 from solrl.storage.fingerprint import folder_fingerprint
+from solrl.storage.stage import plain_modes
 
 #: What a text encoder gives the transformer for a batch of prompts: name -> tensor ``[B, ...]``.
 Conditioning = dict[str, torch.Tensor]
@@ -95,9 +96,17 @@ class ModelAdapter:
     _released: bool = field(default=False, init=False, repr=False)
 
     # -- class level: checks that need no weights loaded -------------------------------------------------------
+    #: Whether the family samples videos (``model.num_frames`` applies).
+    video: ClassVar[bool] = False
+
     @classmethod
     def validate_config(cls, cfg: RunConfig) -> None:
         """Family-specific rules of a valid config (pure). Raises ValueError naming the value and the fix."""
+        if cfg.model.num_frames is not None and not cls.video:
+            raise ValueError(
+                f"model.num_frames={cfg.model.num_frames}: {cls.name} is an image family; model.num_frames is for "
+                f"video families (wan); remove it"
+            )
 
     @classmethod
     def weights_dir(cls, cfg: ModelConfig) -> Path:
@@ -205,6 +214,7 @@ class ModelAdapter:
                     },
                     tmp,
                 )
+                plain_modes(tmp)
                 os.replace(tmp, cache)
         self.release_text_encoders()
 

@@ -21,6 +21,7 @@ from torch import nn
 
 from solrl.config import ConfigError, ModelConfig, RunConfig
 from solrl.stages.models.adapter import ModelAdapter
+from solrl.storage.stage import plain_modes
 from solrl.weights import PIPELINE_FILES, PublishedWeights, hub_download, pipeline_dir, published_weights
 
 #: Images decoded per VAE call (bounds the decoder's activation memory at 1024 px).
@@ -71,6 +72,7 @@ class DiffusersFamily(ModelAdapter):
     # -- class level ---------------------------------------------------------------------------------------------
     @classmethod
     def validate_config(cls, cfg: RunConfig) -> None:
+        super().validate_config(cfg)
         resolution, multiple = cfg.model.resolution or cls.default_resolution, cls.resolution_multiple
         if resolution % multiple:
             raise ValueError(
@@ -218,6 +220,7 @@ def build_once(family: type[DiffusersFamily], out: Path) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         family.build_tiny(tmp)
+        plain_modes(tmp)  # mkdtemp made it 0700
         try:
             os.replace(tmp, out)
         except OSError:  # another process built it first

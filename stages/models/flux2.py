@@ -210,6 +210,18 @@ class Flux2(Flux2Klein):
     #: The Mistral-3 layers whose hidden states make the prompt embedding (the pipeline's default).
     text_encoder_out_layers: ClassVar[tuple[int, ...]] = (10, 20, 30)
 
+    def _encode(self, prompts: list[str]) -> Conditioning:
+        """As FLUX.2-klein's, through ``Flux2Pipeline.encode_prompt``, without the warning transformers logs on
+        every call: the pipeline passes the processor's padding options as keyword arguments."""
+        from transformers.utils import logging as transformers_logging
+
+        verbosity = transformers_logging.get_verbosity()
+        transformers_logging.set_verbosity_error()
+        try:
+            return super()._encode(prompts)
+        finally:
+            transformers_logging.set_verbosity(verbosity)
+
 
 @register_model("tiny-flux2-dev")
 @dataclass

@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 
 from solrl.stages.models.policy import Policy
+from solrl.storage.stage import plain_modes
 
 #: The file name diffusers' ``save_lora_weights`` writes and ``load_lora_weights`` looks for.
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
@@ -53,6 +54,7 @@ def save_diffusers_lora(policy: Policy, adapter: str, pipeline_class: str, out: 
         out, transformer_lora_layers=state, transformer_lora_adapter_metadata=metadata
     )
     canonical_header(out / LORA_WEIGHTS)
+    plain_modes(out / LORA_WEIGHTS)  # safetensors writes 0600: readable by whoever the umask lets read
     return out / LORA_WEIGHTS
 
 

@@ -241,6 +241,7 @@ class TinyDigits(ModelAdapter):
 
     @classmethod
     def validate_config(cls, cfg: RunConfig) -> None:
+        super().validate_config(cfg)
         if cfg.model.resolution not in (None, IMAGE_SIZE):
             raise ValueError(
                 f"model.resolution={cfg.model.resolution}: tiny-digits is {IMAGE_SIZE}x{IMAGE_SIZE} pixels; "

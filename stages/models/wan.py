@@ -39,6 +39,7 @@ class Wan(DiffusersFamily):
     """Wan2.1 text-to-video from a diffusers-format folder (e.g. ``Wan-AI/Wan2.1-T2V-1.3B-Diffusers``)."""
 
     name: ClassVar[str] = "wan"
+    video: ClassVar[bool] = True
     hub_id: ClassVar[str] = PUBLISHED["wan"].hub_id
     weights_hint: ClassVar[str] = PUBLISHED["wan"].hint
     pipeline_class: ClassVar[str] = "WanPipeline"
@@ -76,6 +77,13 @@ class Wan(DiffusersFamily):
             raise ValueError(
                 f"model.num_frames={frames}: {cls.name} needs 4k + 1 frames (its VAE compresses time by "
                 f"{cls.temporal_factor} after the first frame); e.g. {max(fit, 1)} or {fit + cls.temporal_factor}"
+            )
+
+        stride = cfg.reward.frame_stride
+        if stride > 1 and stride >= frames:
+            raise ValueError(
+                f"reward.frame_stride={stride} with model.num_frames={frames} scores the first frame only; set it "
+                f"below {frames} (1 = every frame)"
             )
 
     @classmethod
