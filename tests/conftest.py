@@ -60,28 +60,6 @@ CHILD_PRELOAD = [
 ]
 
 
-#: Test files of a minute or more of whole-flow runs, collected first (longest first, as measured): two xdist workers
-#: each take whole files in collection order, so the long ones start early and the workers end together.
-LONG_FILES = (
-    "test_serve.py",
-    "test_flow.py",
-    "test_shards.py",
-    "test_families.py",
-    "test_shutdown.py",
-    "test_compile.py",
-    "test_remote_reward.py",
-    "test_faults.py",
-    "test_guards.py",
-    "test_distributed.py",
-)
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The long files first (``LONG_FILES``); the order within a file, and of the other files, unchanged."""
-    rank = {name: i for i, name in enumerate(LONG_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
-
-
 def tiny_config(root: Path, *extra: str) -> RunConfig:
     return load_config("tiny-digits", [*TINY, f"storage.root={root}", *extra])
 

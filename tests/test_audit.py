@@ -219,7 +219,7 @@ def test_report_html_is_one_self_contained_page_with_every_figure(finished: Path
         "Training reward",
         "Evaluation rewards",
         "Proxy fidelity",
-        "Guards: sample diversity and grid-artifact energy",
+        "Guards: sample diversity, grid-artifact energy and (videos) temporal change",
         "Stage-time split",
         "Best (left) and worst kept candidates per iteration",
         "Evaluation samples, starting policy",
