@@ -198,16 +198,31 @@ class DiffusersFamily(ModelAdapter):
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> np.ndarray:
-        """``vae.decode(latents / scaling_factor + shift_factor)`` (the pipelines' formula), in [-1, 1], to uint8
-        ``[B, H, W, 3]``; batches of ``DECODE_BATCH``."""
-        vae = self.pipe.vae
-        scaling, shift = vae.config.scaling_factor, getattr(vae.config, "shift_factor", None) or 0.0
+        """The family's ``vae_decode`` in batches of ``DECODE_BATCH``, clamped to [-1, 1], to uint8 ``[B, H, W, 3]``
+        (videos ``[B, F, H, W, 3]``)."""
         images = []
         for chunk in latents.split(DECODE_BATCH):
-            z = chunk.to(self.device, vae.dtype) / scaling + shift
-            image = vae.decode(z, return_dict=False)[0].float().clamp(-1, 1)  # [b, 3, H, W]
-            images.append(((image + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).cpu())
+            image = self.vae_decode(chunk.to(self.device, self.pipe.vae.dtype)).float().clamp(-1, 1)
+            images.append(((image + 1) * 127.5).round().to(torch.uint8).movedim(1, -1).cpu())
         return torch.cat(images).numpy()
+
+    def vae_decode(self, z: torch.Tensor) -> torch.Tensor:
+        """Latents ``[b, *latent_shape]`` (on the device, in the VAE's dtype) to pixels ``[b, 3, H, W]`` (videos
+        ``[b, 3, F, H, W]``) in about [-1, 1]: ``vae.decode(z / scaling_factor + shift_factor)``, the pipelines'
+        formula; families whose VAE normalises otherwise override it."""
+        vae = self.pipe.vae
+        scaling, shift = vae.config.scaling_factor, getattr(vae.config, "shift_factor", None) or 0.0
+        return vae.decode(z / scaling + shift, return_dict=False)[0]
+
+
+def decode_wan_vae(vae: Any, z: torch.Tensor) -> torch.Tensor:
+    """``vae.decode(z * latents_std + latents_mean)`` with the per-channel statistics of a Wan-style VAE
+    (``AutoencoderKLWan``, ``AutoencoderKLQwenImage``), as WanPipeline and QwenImagePipeline decode:
+    ``[b, C, F, h, w]`` to ``[b, 3, F', H, W]``."""
+    shape = (1, vae.config.z_dim, 1, 1, 1)
+    mean = torch.tensor(vae.config.latents_mean, device=z.device, dtype=z.dtype).view(shape)
+    std = torch.tensor(vae.config.latents_std, device=z.device, dtype=z.dtype).view(shape)
+    return vae.decode(z * std + mean, return_dict=False)[0]
 
 
 def build_once(family: type[DiffusersFamily], out: Path) -> Path:

@@ -33,7 +33,7 @@ from torch import nn
 
 from solrl.registry import register_model
 from solrl.stages.models.adapter import Conditioning
-from solrl.stages.models.diffusers_family import DECODE_BATCH, DiffusersFamily, TinyFamily
+from solrl.stages.models.diffusers_family import DiffusersFamily, TinyFamily
 from solrl.weights import PUBLISHED
 
 _DOUBLE = r"attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)|ff(_context)?\.linear_(in|out)"
@@ -144,20 +144,13 @@ class Flux2Klein(DiffusersFamily):
             scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps).tolist(), mu=mu, device="cpu")
         return scheduler.sigmas.float().to(self.device)
 
-    @torch.no_grad()
-    def decode(self, latents: torch.Tensor) -> np.ndarray:
-        """The pipeline's decode: ``x * sqrt(bn.running_var + eps) + bn.running_mean``, unpatchified
-        (``_unpatchify_latents``), ``vae.decode``; in [-1, 1], to uint8 ``[B, H, W, 3]``; batches of
-        ``DECODE_BATCH``."""
+    def vae_decode(self, z: torch.Tensor) -> torch.Tensor:
+        """The pipeline's decode: ``z * sqrt(bn.running_var + eps) + bn.running_mean``, unpatchified
+        (``_unpatchify_latents``), ``vae.decode``: ``[b, 4C, h, w]`` to ``[b, 3, H, W]``."""
         vae = self.pipe.vae
-        mean = vae.bn.running_mean.view(1, -1, 1, 1).to(self.device, vae.dtype)
-        std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(self.device, vae.dtype)
-        images = []
-        for chunk in latents.split(DECODE_BATCH):
-            z = type(self.pipe)._unpatchify_latents(chunk.to(self.device, vae.dtype) * std + mean)
-            image = vae.decode(z, return_dict=False)[0].float().clamp(-1, 1)  # [b, 3, H, W]
-            images.append(((image + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).cpu())
-        return torch.cat(images).numpy()
+        mean = vae.bn.running_mean.view(1, -1, 1, 1).to(z.device, z.dtype)
+        std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(z.device, z.dtype)
+        return vae.decode(type(self.pipe)._unpatchify_latents(z * std + mean), return_dict=False)[0]
 
 
 @register_model("tiny-flux2")

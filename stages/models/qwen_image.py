@@ -24,13 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-import numpy as np
 import torch
 from torch import nn
 
 from solrl.registry import register_model
 from solrl.stages.models.adapter import Conditioning
-from solrl.stages.models.diffusers_family import DECODE_BATCH, DiffusersFamily, TinyFamily
+from solrl.stages.models.diffusers_family import DiffusersFamily, TinyFamily, decode_wan_vae
 from solrl.weights import PUBLISHED
 
 
@@ -115,20 +114,10 @@ class QwenImage(DiffusersFamily):
         _, h, w = self.latent_shape
         return self.pipeline_sigmas(steps, (h // 2) * (w // 2))
 
-    @torch.no_grad()
-    def decode(self, latents: torch.Tensor) -> np.ndarray:
-        """``vae.decode(latents * latents_std + latents_mean)`` on one frame (QwenImagePipeline's formula), in
-        [-1, 1], to uint8 ``[B, H, W, 3]``; batches of ``DECODE_BATCH``."""
-        vae = self.pipe.vae
-        shape = (1, vae.config.z_dim, 1, 1, 1)
-        mean = torch.tensor(vae.config.latents_mean, device=self.device, dtype=vae.dtype).view(shape)
-        std = torch.tensor(vae.config.latents_std, device=self.device, dtype=vae.dtype).view(shape)
-        images = []
-        for chunk in latents.split(DECODE_BATCH):
-            z = chunk.to(self.device, vae.dtype).unsqueeze(2) * std + mean  # [b, C, 1, h, w]
-            image = vae.decode(z, return_dict=False)[0][:, :, 0].float().clamp(-1, 1)  # [b, 3, H, W]
-            images.append(((image + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).cpu())
-        return torch.cat(images).numpy()
+    def vae_decode(self, z: torch.Tensor) -> torch.Tensor:
+        """``vae.decode(z * latents_std + latents_mean)`` on a frame axis of 1 (QwenImagePipeline's formula):
+        ``[b, C, h, w]`` to ``[b, 3, H, W]``."""
+        return decode_wan_vae(self.pipe.vae, z.unsqueeze(2))[:, :, 0]
 
 
 @register_model("tiny-qwen-image")

@@ -22,14 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-import numpy as np
 import torch
 from torch import nn
 
 from solrl.config import ConfigError, ModelConfig, RunConfig
 from solrl.registry import register_model
 from solrl.stages.models.adapter import Conditioning
-from solrl.stages.models.diffusers_family import DECODE_BATCH, DiffusersFamily, TinyFamily
+from solrl.stages.models.diffusers_family import DiffusersFamily, TinyFamily, decode_wan_vae
 from solrl.weights import PUBLISHED
 
 
@@ -145,20 +144,10 @@ class Wan(DiffusersFamily):
             raise ValueError(f"{type(scheduler).__name__} gives {len(sigmas)} sigmas ending at {float(sigmas[-1])}")
         return sigmas.to(self.device)
 
-    @torch.no_grad()
-    def decode(self, latents: torch.Tensor) -> np.ndarray:
-        """``vae.decode(latents * latents_std + latents_mean)`` (WanPipeline's formula), in [-1, 1], to uint8
-        videos ``[B, F, H, W, 3]``; batches of ``DECODE_BATCH``."""
-        vae = self.pipe.vae
-        shape = (1, vae.config.z_dim, 1, 1, 1)
-        mean = torch.tensor(vae.config.latents_mean, device=self.device, dtype=vae.dtype).view(shape)
-        std = torch.tensor(vae.config.latents_std, device=self.device, dtype=vae.dtype).view(shape)
-        videos = []
-        for chunk in latents.split(DECODE_BATCH):
-            video = vae.decode(chunk.to(self.device, vae.dtype) * std + mean, return_dict=False)[0]  # [b, 3, F, H, W]
-            video = video.float().clamp(-1, 1)
-            videos.append(((video + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 4, 1).cpu())
-        return torch.cat(videos).numpy()
+    def vae_decode(self, z: torch.Tensor) -> torch.Tensor:
+        """``vae.decode(z * latents_std + latents_mean)`` (WanPipeline's formula): ``[b, C, F', h, w]`` to videos
+        ``[b, 3, F, H, W]``."""
+        return decode_wan_vae(self.pipe.vae, z)
 
 
 @register_model("tiny-wan")
