@@ -118,3 +118,64 @@ def gemm_batch_variant() -> bool:
 needs_batch_invariant_gemm = pytest.mark.skipif(
     gemm_batch_variant(), reason="this CPU's GEMM is not batch-invariant (conftest.gemm_batch_variant)"
 )
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A real S3 server on loopback for the session: moto's server (``moto[server]``) in its own process, as an
+    S3-compatible store a team would run. Yields its endpoint URL; stopped at the end."""
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            try:
+                urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1).close()
+                break
+            except OSError:
+                if server.poll() is not None:
+                    raise RuntimeError(f"moto server exited with {server.returncode}") from None
+                time.sleep(0.1)
+        else:
+            raise RuntimeError("moto server did not answer within 30 s")
+        yield endpoint
+    finally:
+        server.terminate()
+        server.wait(10)
+
+
+@pytest.fixture
+def s3_env(s3_server: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The environment of a user of the loopback S3 server (made-up keys, ``AWS_ENDPOINT_URL``), with a fresh
+    bucket; returns ``s3://<bucket>``."""
+    import uuid
+
+    import boto3
+
+    for name in ("AWS_PROFILE", "AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIASOLRLTESTKEY0000")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "solrl-test-secret-0000000000000000000000")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    bucket = f"solrl-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=s3_server).create_bucket(Bucket=bucket)
+    return f"s3://{bucket}"
