@@ -113,10 +113,7 @@ class Lease:
             if expires > time.time() and holder_alive(holder) is not False:  # unexpired, holder not known dead
                 where = f"pid {holder.get('pid')} on {holder.get('host')}"
                 left = max(0.0, expires - time.time())
-                raise LeaseHeld(
-                    f"{self.store.url(self.key)} is held by {where} for another {left:.0f} s; wait for it or stop "
-                    f"it (a dead holder's lease runs out by itself)"
-                )
+                raise LeaseHeld(f"{self.store.url(self.key)} is held by {where} for another {left:.0f} s")
             if tag := self.store.replace_if(self.key, self._record(time.time() + self.ttl), seen):
                 break
         else:

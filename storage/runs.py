@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import fcntl
 import json
-import os
 import re
 import secrets
 from collections.abc import Iterator
@@ -15,7 +13,10 @@ from pathlib import Path
 
 from solrl import __version__
 from solrl.config import ConfigError, RunConfig, config_digest, validate_config
+from solrl.storage import stage
+from solrl.storage.lease import DEFAULT_TTL, LEASE, Lease, LeaseHeld
 from solrl.storage.stage import MANIFEST, write_json_atomic
+from solrl.storage.store import Store
 
 RUN_FILE = "run.json"
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -167,21 +168,27 @@ def list_runs(root: str | Path) -> list[dict[str, object]]:
 
 
 @contextmanager
-def run_lock(run_dir: Path) -> Iterator[None]:
-    """Hold an exclusive lock on the run (``<run_dir>/.lock``, flock: released by the OS if the process dies).
+def run_lock(run_dir: Path, ttl: float = DEFAULT_TTL) -> Iterator[None]:
+    """Hold the run's lease (``<run_dir>/_LEASE.json``, ``solrl.storage.lease``) for the ``with`` block: renewed
+    in the background, checked before every stage commit of this process, free at once when its holder dies on
+    this host and after ``ttl`` seconds when it dies elsewhere.
 
     Raises:
         ConfigError: another live process holds the run.
     """
-    fd = os.open(Path(run_dir) / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    run_dir = Path(run_dir)
+    lease = Lease(Store.open(run_dir.parent), f"{run_dir.name}/{LEASE}", ttl)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise ConfigError(
-                f"run {Path(run_dir).name!r} is being written by another process; wait for it "
-                f"or stop it, then `solrl resume {Path(run_dir).name} --store {Path(run_dir).parent}`"
-            ) from None
+        lease.acquire()
+    except LeaseHeld as exc:
+        raise ConfigError(
+            f"run {run_dir.name!r} is being written by another process ({exc}); wait for it or stop it (a lease "
+            f"whose holder died elsewhere runs out by itself), then `solrl resume {run_dir.name} --store "
+            f"{run_dir.parent}`"
+        ) from None
+    stage.commit_guard = lease.check
+    try:
         yield
     finally:
-        os.close(fd)
+        stage.commit_guard = None
+        lease.release()

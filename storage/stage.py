@@ -7,6 +7,13 @@ temporary file and ``os.replace``. A stage directory without a valid manifest
 does not exist: readers refuse it, and a re-run deletes and redoes it. Resume
 trusts manifests, not memory: ``run_or_skip`` returns the committed manifest
 when its inputs hash matches, whatever happened to the Prefect database.
+
+Readers find a stage's files where its manifest says: in the stage folder
+itself, or, where the manifest names one (``prefix``), in an attempt folder
+inside it. An object store has no rename, so its stage attempts write under
+a prefix of their own and commit by the manifest alone (issue 17); a local
+store renames and keeps the paths that DuckDB, xarray and the README's
+snippets open directly.
 """
 
 from __future__ import annotations
@@ -82,6 +89,9 @@ class StageManifest(BaseModel):
     info: dict[str, Any] = {}
     seconds: float = 0.0
     created: str = ""
+    #: The attempt folder, inside the stage's folder, that holds ``files``; "" (a local store) for the stage's
+    #: folder itself.
+    prefix: str = ""
 
     def digest(self) -> str:
         """sha256 over the inputs hash and every file checksum: what downstream stages hash as their input."""
@@ -182,7 +192,7 @@ def read_manifest(run_dir: Path, iteration: int, stage: str, *, verify: bool = F
     """The stage's manifest if the stage is committed, else None.
 
     Committed means: ``_MANIFEST.json`` parses, names this stage and iteration, and every file it lists exists
-    with its recorded size (and sha256, with ``verify=True``).
+    in the folder it names, with its recorded size (and sha256, with ``verify=True``).
     """
     directory = stage_dir(run_dir, iteration, stage)
     try:
@@ -191,8 +201,11 @@ def read_manifest(run_dir: Path, iteration: int, stage: str, *, verify: bool = F
         return None
     if manifest.stage != stage or manifest.iteration != iteration:
         return None
+    if "/" in manifest.prefix or manifest.prefix.startswith("."):
+        return None  # a prefix that leaves the stage's folder is not one this module wrote
+    folder = directory / manifest.prefix
     for rel, entry in manifest.files.items():
-        path = directory / rel
+        path = folder / rel
         try:
             if path.stat().st_size != entry.size or (verify and _sha256(path) != entry.sha256):
                 return None
@@ -201,17 +214,30 @@ def read_manifest(run_dir: Path, iteration: int, stage: str, *, verify: bool = F
     return manifest
 
 
+def output_dir(run_dir: Path, iteration: int, stage: str) -> Path:
+    """The folder holding the files of the stage's committed attempt, as its manifest names it (no checksum
+    verified: ``require`` verifies).
+
+    Raises:
+        StageNotCommitted: the stage has no valid manifest.
+    """
+    manifest = read_manifest(run_dir, iteration, stage)
+    if manifest is None:
+        raise StageNotCommitted(f"iteration {iteration} stage {stage!r} has no valid manifest in {run_dir}")
+    return stage_dir(run_dir, iteration, stage) / manifest.prefix
+
+
 def require(run_dir: Path, iteration: int, stage: str) -> tuple[Path, StageManifest]:
-    """The directory and manifest of a committed stage, for reading its outputs (checksums verified).
+    """The output folder and manifest of a committed stage, for reading its outputs (checksums verified).
 
     Raises:
         StageNotCommitted: the stage has no valid manifest, or a file no longer matches its checksum; its
-            directory must not be read.
+            folder must not be read.
     """
     manifest = read_manifest(run_dir, iteration, stage, verify=True)
     if manifest is None:
         raise StageNotCommitted(f"iteration {iteration} stage {stage!r} has no valid manifest in {run_dir}")
-    return stage_dir(run_dir, iteration, stage), manifest
+    return stage_dir(run_dir, iteration, stage) / manifest.prefix, manifest
 
 
 def remove_dir(path: Path) -> None:
@@ -221,6 +247,11 @@ def remove_dir(path: Path) -> None:
     trash = path.with_name(f".{path.name}.trash-{uuid.uuid4().hex[:8]}")
     os.replace(path, trash)
     shutil.rmtree(trash, ignore_errors=True)
+
+
+#: Called before a commit replaces a stage's folder (``solrl.storage.runs.run_lock`` sets it to its lease's
+#: check): a process whose run lease was taken over after it stalled must not commit over its successor.
+commit_guard: Callable[[], None] | None = None
 
 
 def commit(
@@ -238,6 +269,9 @@ def commit(
     aside; rename the temporary directory into place; write the manifest last. On any exception the
     temporary directory is removed and nothing is committed. The manifest's ``seconds`` are the commit's plus
     ``prior_seconds`` (a sharded stage's shards).
+
+    Raises:
+        LeaseLost: (from ``commit_guard``) this process no longer holds the run; nothing is replaced.
     """
     global _committing
     final = stage_dir(run_dir, iteration, stage)
@@ -250,6 +284,8 @@ def commit(
         output = write(tmp)
         plain_modes(tmp)
         files = _fsync_tree(tmp)
+        if commit_guard is not None:
+            commit_guard()
         remove_dir(final)
         os.replace(tmp, final)
         fault_point("renamed")

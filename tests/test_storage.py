@@ -18,6 +18,7 @@ from solrl.storage.stage import (
     StageNotCommitted,
     StageOutput,
     commit,
+    output_dir,
     read_manifest,
     require,
     run_or_skip,
@@ -41,6 +42,29 @@ def test_commit_writes_files_then_manifest_with_sizes_and_checksums(tmp_path: Pa
     assert on_disk["inputs_hash"] == "key1" and on_disk["metrics"] == {"m": 1.5}
     assert read_manifest(tmp_path, 1, "explore", verify=True) == manifest
     assert not list(directory.parent.glob(".explore.tmp-*"))
+    assert manifest.prefix == "" and output_dir(tmp_path, 1, "explore") == require(tmp_path, 1, "explore")[0]
+    assert output_dir(tmp_path, 1, "explore") == directory  # a local store keeps the files in the stage folder
+
+
+def test_readers_follow_the_attempt_folder_a_manifest_names_and_no_other(tmp_path: Path):
+    """An object store's stage commits an attempt prefix inside the stage folder (issue 17): readers find the
+    files there, and refuse a manifest whose prefix leaves the stage folder."""
+    manifest = commit(tmp_path, "r", 1, "explore", "k", _write_two_files)
+    directory = stage_dir(tmp_path, 1, "explore")
+    (directory / "a-0123456789ab").mkdir()
+    for name in ("a.txt", "sub"):
+        (directory / name).rename(directory / "a-0123456789ab" / name)
+    assert read_manifest(tmp_path, 1, "explore") is None  # the files are not where the manifest says
+    moved = {**manifest.model_dump(mode="json"), "prefix": "a-0123456789ab"}
+    (directory / MANIFEST).write_text(json.dumps(moved))
+    assert read_manifest(tmp_path, 1, "explore", verify=True).prefix == "a-0123456789ab"
+    assert require(tmp_path, 1, "explore")[0] == output_dir(tmp_path, 1, "explore") == directory / "a-0123456789ab"
+    (directory.parent / "elsewhere").mkdir()
+    for prefix in ("../elsewhere", ".", "..", "a-0123456789ab/../.."):
+        (directory / MANIFEST).write_text(json.dumps({**moved, "prefix": prefix, "files": {}}))
+        assert read_manifest(tmp_path, 1, "explore") is None, prefix
+    with pytest.raises(StageNotCommitted):
+        output_dir(tmp_path, 1, "explore")
 
 
 def test_a_crash_inside_a_stage_commits_nothing_and_leaves_no_temp(tmp_path: Path):
@@ -266,3 +290,27 @@ def test_two_processes_starting_runs_in_a_new_store_at_once_both_get_an_mlflow_r
     runs = client.search_runs(client.get_experiment_by_name("solrl").experiment_id)
     assert sorted(r.info.run_name for r in runs) == ["r0", "r1"] and {r.info.status for r in runs} == {"FINISHED"}
     assert not list(store.glob(".mlflow.db.tmp-*"))
+
+
+def test_a_process_whose_run_lease_was_taken_commits_nothing(tmp_path: Path):
+    """The run lock is a lease (``solrl.storage.lease``): when another holder takes it over (this process
+    stalled past its term), the next renewal notices, and the stage commit refuses before replacing anything."""
+    import time
+
+    from solrl.storage.lease import LEASE, LeaseLost
+    from solrl.storage.runs import run_lock
+    from solrl.storage.store import Store
+
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    kept = commit(run_dir, "r", 1, "explore", "k", _write_two_files)
+    with run_lock(run_dir, ttl=0.6):
+        store = Store.open(tmp_path)
+        record = json.loads(store.read_bytes(f"r/{LEASE}"))
+        record["holder"] = {**record["holder"], "host": "elsewhere", "token": "successor"}
+        store.write_bytes(f"r/{LEASE}", json.dumps(record).encode())  # the successor's takeover
+        time.sleep(0.5)  # past a renewal (every ttl / 3)
+        with pytest.raises(LeaseLost, match="was taken by pid .* on elsewhere"):
+            commit(run_dir, "r", 1, "explore", "k2", _write_two_files)
+    assert read_manifest(run_dir, 1, "explore", verify=True) == kept
+    assert json.loads(store.read_bytes(f"r/{LEASE}"))["holder"]["token"] == "successor"  # left as it is
