@@ -34,7 +34,7 @@ from solrl.stages.runnable import check_runnable
 from solrl.stages.sharding import Shard
 from solrl.storage.html_report import REPORT_DIR, write_report
 from solrl.storage.runs import Run, open_run, run_lock
-from solrl.storage.stage import read_manifest, stage_dir
+from solrl.storage.stage import read_manifest, require, stage_dir
 from solrl.storage.tracking import Tracker
 
 #: Logged to MLflow per iteration, by stage: (file or folder in the stage folder, artifact folder).
@@ -109,7 +109,9 @@ def _log_stage(tracker: Tracker, iteration: int, stage: str, manifest: dict, ski
         return
     if stage in _ARTIFACTS:
         name, folder = _ARTIFACTS[stage]
-        path = stage_dir(tracker.run_dir, iteration, stage) / name
+        path = stage_dir(tracker.run_dir, iteration, stage) / manifest.get("prefix", "") / name
+        if not path.exists() and manifest.get("prefix"):  # committed on another machine: fetch into the mirror
+            path = require(tracker.run_dir, iteration, stage)[0] / name
         if path.exists():
             tracker.log_artifact(path, f"{folder}/iter_{iteration:06d}")
             if path.suffix == ".png":  # also MLflow's image view, with a step slider over the iterations
@@ -318,7 +320,7 @@ def _guard_stopped(run: Run, iteration: int, stages: list[str], tracker: Tracker
     trip = guard_trip(run.run_dir, run.config, iteration)
     if trip is None:
         return False
-    message = trip.message(run.run_id, str(run.run_dir.parent))
+    message = trip.message(run.run_id, run.store)
     logger.warning(message)
     tracker.set_tag("solrl.guard_stop", message)
     return True

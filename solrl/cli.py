@@ -135,7 +135,7 @@ def _guard_stop(store: str, run_id: str) -> str | None:
     if run.config.campaign.on_guard != "stop":
         return None
     trip = guard_trip(run.run_dir, run.config, run.config.campaign.iterations)
-    return None if trip is None else trip.message(run_id, str(run.run_dir.parent))
+    return None if trip is None else trip.message(run_id, run.store)
 
 
 def _report(store: str, run_id: str, outcome: str = "finished") -> None:
@@ -161,8 +161,8 @@ def _report(store: str, run_id: str, outcome: str = "finished") -> None:
         + (f"  evaluated:  {summary}\n" if summary else "")
         + f"  per-iteration stages: {run.run_dir}/iter_*/<stage>/ (Zarr pools, Parquet tables, checkpoint)\n"
         f"  report:     {run.run_dir / REPORT_DIR / 'report.html'}\n"
-        f"  table:      solrl report {run_id} --store {run.run_dir.parent}\n"
-        f"  LoRA:       solrl export {run_id} --store {run.run_dir.parent} --out <folder>\n"
+        f"  table:      solrl report {run_id} --store {run.store}\n"
+        f"  LoRA:       solrl export {run_id} --store {run.store} --out <folder>\n"
         f"  MLflow UI:  {mlflow_ui}\n"
         f"              (then {experiment_url('http://127.0.0.1:5000', experiment)})\n"
         f"  Prefect UI: PREFECT_HOME={prefect_home} prefect server start   (then http://127.0.0.1:4200)"
@@ -185,12 +185,13 @@ def run(
             cfg = validate_config(cfg.model_dump(mode="json"))  # the plug-ins' own rules
             from solrl.stages.models import model_family
             from solrl.stages.runnable import check_runnable
-            from solrl.storage.runs import check_run_id, create_run, new_run_id
+            from solrl.storage.runs import check_run_id, create_run, new_run_id, open_store
 
             check_runnable(cfg)
             _start_prefect_early()  # after the checks: bad input exits at once, with no server to stop
             run_id = check_run_id(run_id or new_run_id(cfg.name))
-            made += [run_id, str(Path(cfg.storage.root).expanduser().resolve())]  # the hint, once run.json exists
+            store = open_store(cfg.storage.root)
+            made += [run_id, store.root if store.local else store.uri]  # the hint, once run.json exists
             created = create_run(cfg, run_id, weights=model_family(cfg.model).weights_fingerprint(cfg.model))
         except ConfigError as exc:
             _fail(str(exc))
@@ -200,7 +201,7 @@ def run(
             f"run {created.run_id}: {cfg.campaign.iterations} iterations, explore {cfg.explore.precision} "
             f"pool {cfg.explore.pool_size} -> keep {cfg.select.k}, store {created.run_dir}"
         )
-        _launch(str(created.run_dir.parent), created.run_id)
+        _launch(created.store, created.run_id)
 
 
 @app.command()
@@ -313,7 +314,7 @@ def resume(
             return
         _start_prefect_early()
         typer.echo(f"resuming run {run_id} at iteration {pending[0]}, stage {pending[1]}")
-        _launch(str(run_.run_dir.parent), run_id)
+        _launch(run_.store, run_id)
 
 
 @app.command("ls")

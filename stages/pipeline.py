@@ -46,7 +46,7 @@ from solrl.storage.stage import (
     inputs_hash,
     iteration_dir,
     read_manifest,
-    remove_dir,
+    remove_stage_tree,
     require,
     run_or_skip,
 )
@@ -259,7 +259,7 @@ def run_stage(ctx: StageContext, name: str) -> tuple[StageManifest, bool]:
 
         seconds = sum(m.seconds for m in committed)
         result = run_or_skip(ctx.run_dir, ctx.run_id, ctx.iteration, name, key, reduce, seconds)
-    remove_dir(iteration_dir(ctx.run_dir, ctx.iteration) / shards_folder(name))
+    remove_stage_tree(ctx.run_dir, f"{iteration_dir(ctx.run_dir, ctx.iteration).name}/{shards_folder(name)}")
     return result
 
 

@@ -25,7 +25,7 @@ import yaml
 
 from solrl.storage.report import collect_metrics
 from solrl.storage.runs import Run
-from solrl.storage.stage import read_manifest, stage_dir
+from solrl.storage.stage import output_dir, read_manifest
 
 #: (title, metric prefixes or names) of the curve figures, in page order.
 CURVES = (
@@ -178,10 +178,11 @@ def render_html(
     for i, _ in plan:  # an image is embedded only when its stage's checksums hold
         if read_manifest(run.run_dir, i, "select") is None:
             continue
-        png = _image(stage_dir(run.run_dir, i, "select") / "best_worst.png")
         if read_manifest(run.run_dir, i, "select", verify=True) is None:
             failed.append(f"iteration {i}: select")
-        elif png is not None:
+            continue
+        png = _image(output_dir(run.run_dir, i, "select") / "best_worst.png")
+        if png is not None:
             grids.append(
                 f"<figure><figcaption>iteration {i}</figcaption><img class='grid' "
                 f"alt='best and worst, iteration {i}' src='data:image/png;base64,{png}'></figure>"
@@ -194,10 +195,9 @@ def render_html(
     evaluated = [i for i, _ in plan if read_manifest(run.run_dir, i, "evaluate") is not None]
     shown = []
     for i in dict.fromkeys([evaluated[0], evaluated[-1]] if evaluated else []):
-        png = _image(stage_dir(run.run_dir, i, "evaluate") / "samples.png")
         if read_manifest(run.run_dir, i, "evaluate", verify=True) is None:
             failed.append(f"iteration {i}: evaluate")
-        elif png is not None:
+        elif (png := _image(output_dir(run.run_dir, i, "evaluate") / "samples.png")) is not None:
             label = "starting policy" if i == 0 else f"iteration {i}"
             shown.append(
                 f"<figure><figcaption>Evaluation samples, {label}</figcaption><img class='grid' "

@@ -15,8 +15,9 @@ from solrl import __version__
 from solrl.config import ConfigError, RunConfig, config_digest, validate_config
 from solrl.storage import stage
 from solrl.storage.lease import DEFAULT_TTL, LEASE, Lease, LeaseHeld
+from solrl.storage.mirror import remote, run_folder
 from solrl.storage.stage import MANIFEST, write_json_atomic
-from solrl.storage.store import Store
+from solrl.storage.store import Store, StoreError
 
 RUN_FILE = "run.json"
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -36,6 +37,44 @@ class Run:
     prompts_sha256: str | None = None
     #: ``storage.fingerprint.folder_fingerprint`` of the model weights at creation; None when not recorded.
     weights: dict[str, str] | None = None
+    #: The run store as ``--store`` takes it: a local folder's absolute path, or an object store's URL. For an
+    #: object store ``run_dir`` is this machine's mirror of the run (``solrl.storage.mirror``).
+    store: str = ""
+
+
+def open_store(root: str | Path) -> Store:
+    """The store ``storage.root`` (or ``--store``) names. Makes no request.
+
+    Raises:
+        ConfigError: (``StoreError``) a URI that cannot name a store.
+    """
+    return Store.open(root)
+
+
+def _store_arg(store: Store) -> str:
+    return store.root if store.local else store.uri
+
+
+def _write_run_file(store: Store, run_dir: Path, data: dict, *, create: bool, tag: str | None = None) -> None:
+    """Write ``run.json``: to the store (create-only, or over the version of tag ``tag``), then its mirror copy.
+
+    Raises:
+        ConfigError: the run exists already (``create``), or ``run.json`` changed since it was read.
+        OSError: the store refused the write.
+    """
+    if store.local:
+        if create and (run_dir / RUN_FILE).exists():
+            raise ConfigError(f"run {run_dir.name!r} already exists")
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(run_dir / RUN_FILE, data)
+        return
+    raw = (json.dumps(data, indent=2, sort_keys=True) + "\n").encode()
+    key = f"{run_dir.name}/{RUN_FILE}"
+    written = store.create(key, raw) if create else store.replace_if(key, raw, tag or "")
+    if written is None:
+        raise ConfigError(f"{store.url(key)} {'exists already' if create else 'changed while it was rewritten'}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(run_dir / RUN_FILE, data)
 
 
 def new_run_id(name: str) -> str:
@@ -59,17 +98,19 @@ def create_run(cfg: RunConfig, run_id: str | None = None, weights: dict[str, str
             written (read-only, full, or not a folder).
     """
     run_id = check_run_id(run_id or new_run_id(cfg.name))
-    run_dir = Path(cfg.storage.root).expanduser().resolve() / run_id
-    if (run_dir / RUN_FILE).exists():
+    store = open_store(cfg.storage.root)
+    where = _store_arg(store)
+    store.check(write=True)  # an object store that cannot be used fails here, in one line, with nothing written
+    if store.exists(f"{run_id}/{RUN_FILE}"):
         raise ConfigError(
-            f"run {run_id!r} already exists in {run_dir.parent}; continue it with `solrl resume {run_id} --store "
-            f"{run_dir.parent}`"
+            f"run {run_id!r} already exists in {where}; continue it with `solrl resume {run_id} --store {where}`"
         )
     prompts = cfg.prompts_digest()
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(
-            run_dir / RUN_FILE,
+        run_dir = run_folder(store, run_id)
+        _write_run_file(
+            store,
+            run_dir,
             {
                 "run_id": run_id,
                 "config": cfg.model_dump(mode="json"),
@@ -79,13 +120,14 @@ def create_run(cfg: RunConfig, run_id: str | None = None, weights: dict[str, str
                 "solrl_version": __version__,
                 "created": datetime.now(timezone.utc).isoformat(),
             },
+            create=True,
         )
     except OSError as exc:
         raise ConfigError(
-            f"cannot create run {run_id!r} in {run_dir.parent} ({exc.strerror or exc}); set "
-            f"storage.root to a writable folder"
+            f"cannot create run {run_id!r} in {where} ({exc.strerror or exc}); set storage.root to a writable "
+            f"folder or object store"
         ) from None
-    return Run(run_id, run_dir, cfg, cfg.digest(), prompts, weights)
+    return Run(run_id, run_dir, cfg, cfg.digest(), prompts, weights, where)
 
 
 def open_run(root: str | Path, run_id: str) -> Run:
@@ -96,20 +138,34 @@ def open_run(root: str | Path, run_id: str) -> Run:
     Raises:
         ConfigError: no such run, or an unreadable or edited ``run.json``.
     """
-    run_dir = Path(root).expanduser().resolve() / check_run_id(run_id)
+    store = open_store(root)
+    key = f"{check_run_id(run_id)}/{RUN_FILE}"
+    shown = store.root + f"/{key}" if store.local else store.url(key)
     try:
-        data = json.loads((run_dir / RUN_FILE).read_text(encoding="utf-8"))
+        raw = store.read_bytes(key)
+        data = json.loads(raw)
     except FileNotFoundError:
+        store.check(write=False)  # no such run, or a store that cannot be reached at all
         known = ", ".join(r["run_id"] for r in list_runs(root)[-5:]) or "none"
-        raise ConfigError(f"no run {run_id!r} in {run_dir.parent} (recent: {known}); see `solrl ls`") from None
+        raise ConfigError(f"no run {run_id!r} in {_store_arg(store)} (recent: {known}); see `solrl ls`") from None
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"{run_dir / RUN_FILE} is unreadable ({exc})") from exc
+        if not (store.local or isinstance(exc, ValueError)):
+            raise StoreError(store.explain(exc)) from None
+        raise ConfigError(f"{shown} is unreadable ({exc})") from exc
+    except Exception as exc:  # botocore's and aiohttp's own errors: an object store that does not answer
+        raise StoreError(store.explain(exc)) from None
     if not (isinstance(data, dict) and isinstance(data.get("config"), dict) and "config_hash" in data):
-        raise ConfigError(f"{run_dir / RUN_FILE} is not a solrl run file (no config and config_hash)")
+        raise ConfigError(f"{shown} is not a solrl run file (no config and config_hash)")
     if config_digest(data["config"]) != data.get("config_hash"):
-        raise ConfigError(f"{run_dir / RUN_FILE}: config does not match its recorded hash; the file was edited")
+        raise ConfigError(f"{shown}: config does not match its recorded hash; the file was edited")
     cfg = validate_config(data["config"], plugins=False)
-    return Run(run_id, run_dir, cfg, data["config_hash"], data.get("prompts_sha256"), data.get("weights"))
+    run_dir = run_folder(store, run_id)
+    if not store.local:  # the mirror's copy, for the tools that open the run folder
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if not (run_dir / RUN_FILE).is_file() or (run_dir / RUN_FILE).read_bytes() != raw:
+            write_json_atomic(run_dir / RUN_FILE, data)
+    weights = data.get("weights")
+    return Run(run_id, run_dir, cfg, data["config_hash"], data.get("prompts_sha256"), weights, _store_arg(store))
 
 
 def set_shards(root: str | Path, run_id: str, shards: int) -> None:
@@ -126,34 +182,47 @@ def set_shards(root: str | Path, run_id: str, shards: int) -> None:
     run = open_run(root, run_id)
     if run.config.campaign.shards == shards:
         return
-    path = run.run_dir / RUN_FILE
-    data = json.loads(path.read_text(encoding="utf-8"))
+    store = open_store(root)
+    key = f"{run_id}/{RUN_FILE}"
+    tag = store.tag(key)
+    data = json.loads(store.read_bytes(key))
     data["config"]["campaign"]["shards"] = shards
     if config_digest(data["config"]) != data["config_hash"]:  # the layout field is outside the hash
-        raise ConfigError(f"{path}: changing campaign.shards would change the config hash")
-    write_json_atomic(path, data)
+        raise ConfigError(f"{store.url(key)}: changing campaign.shards would change the config hash")
+    _write_run_file(store, run.run_dir, data, create=False, tag=tag)
 
 
 def list_runs(root: str | Path) -> list[dict[str, object]]:
-    """Summaries of the runs under ``root``, oldest first: id, created, iterations committed."""
+    """Summaries of the runs under ``root``, oldest first: id, created, iterations committed (manifests present,
+    not verified), the newest committed stage, and where the run is (its folder, or its URL in an object store).
+
+    Raises:
+        ConfigError: (``StoreError``) an object store that cannot be listed.
+    """
+    store = open_store(root)
     rows = []
-    for run_file in sorted(Path(root).expanduser().glob(f"*/{RUN_FILE}")):
+    for run_id in store.ls():
         try:
-            data = json.loads(run_file.read_text(encoding="utf-8"))
+            data = json.loads(store.read_bytes(f"{run_id}/{RUN_FILE}"))
         except (OSError, ValueError):
             continue
         if not (isinstance(data, dict) and isinstance(data.get("config", {}), dict)):
             continue
-        iterations = sorted(run_file.parent.glob("iter_*"))
-        done = [d for d in iterations if (d / "checkpoint" / MANIFEST).exists()]
+        iterations = sorted(name for name in store.ls(run_id) if name.startswith("iter_"))
+        done = [i for i in iterations if store.exists(f"{run_id}/{i}/checkpoint/{MANIFEST}")]
         last = ""
         if iterations:  # the newest committed stage, e.g. "iter 3: select"
-            committed = sorted((p.stat().st_mtime, p.parent.name) for p in iterations[-1].glob(f"*/{MANIFEST}"))
-            last = f"iter {int(iterations[-1].name[5:])}: {committed[-1][1]}" if committed else ""
+            newest = f"{run_id}/{iterations[-1]}"
+            committed = sorted(
+                (store.modified(f"{newest}/{name}/{MANIFEST}"), name)
+                for name in store.ls(newest)
+                if store.exists(f"{newest}/{name}/{MANIFEST}")
+            )
+            last = f"iter {int(iterations[-1][5:])}: {committed[-1][1]}" if committed else ""
         config = data.get("config", {})
         rows.append(
             {
-                "run_id": data.get("run_id", run_file.parent.name),
+                "run_id": data.get("run_id", run_id),
                 "created": data.get("created", ""),
                 "iterations_done": len(done),
                 "iterations": config.get("campaign", {}).get("iterations", "?"),
@@ -161,7 +230,7 @@ def list_runs(root: str | Path) -> list[dict[str, object]]:
                 "explore": "{precision} pool {pool_size}".format(
                     **{"precision": "?", "pool_size": "?", **config.get("explore", {})}
                 ),
-                "path": str(run_file.parent),
+                "path": store.path(run_id) if store.local else store.url(run_id),
             }
         )
     return sorted(rows, key=lambda r: str(r["created"]))
@@ -177,14 +246,15 @@ def run_lock(run_dir: Path, ttl: float = DEFAULT_TTL) -> Iterator[None]:
         ConfigError: another live process holds the run.
     """
     run_dir = Path(run_dir)
-    lease = Lease(Store.open(run_dir.parent), f"{run_dir.name}/{LEASE}", ttl)
+    store, run_key = remote(run_dir) or (Store.open(run_dir.parent), run_dir.name)
+    lease = Lease(store, f"{run_key}/{LEASE}", ttl)
     try:
         lease.acquire()
     except LeaseHeld as exc:
         raise ConfigError(
             f"run {run_dir.name!r} is being written by another process ({exc}); wait for it or stop it (a lease "
             f"whose holder died elsewhere runs out by itself), then `solrl resume {run_dir.name} --store "
-            f"{run_dir.parent}`"
+            f"{_store_arg(store)}`"
         ) from None
     stage.commit_guard = lease.check
     try:

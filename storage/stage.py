@@ -18,9 +18,11 @@ snippets open directly.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import time
@@ -33,7 +35,12 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from solrl.storage.mirror import remote
+from solrl.storage.store import Store
+
 MANIFEST = "_MANIFEST.json"
+#: An attempt's prefix on an object store: ``a-`` and 12 hex digits (``commit``).
+_ATTEMPT = re.compile(r"^a-[0-9a-f]{12}$")
 
 #: Test-only fault injection (``tests/test_faults.py``): with ``SOLRL_FAULT=<iteration>:<stage>:<point>`` in the
 #: environment, the process SIGKILLs itself when that stage's commit reaches ``<point>``: ``write`` (the stage
@@ -192,9 +199,13 @@ def read_manifest(run_dir: Path, iteration: int, stage: str, *, verify: bool = F
     """The stage's manifest if the stage is committed, else None.
 
     Committed means: ``_MANIFEST.json`` parses, names this stage and iteration, and every file it lists exists
-    in the folder it names, with its recorded size (and sha256, with ``verify=True``).
+    in the folder it names, with its recorded size (and sha256, with ``verify=True``). For a run of an object
+    store (``solrl.storage.mirror``) the manifest is read from the store every time, sizes are checked against
+    one listing of its attempt's prefix, and ``verify`` first fetches into the mirror what it lacks.
     """
     directory = stage_dir(run_dir, iteration, stage)
+    if (on_store := remote(run_dir)) is not None:
+        return _read_remote_manifest(*on_store, run_dir, iteration, stage, verify)
     try:
         manifest = StageManifest.model_validate_json((directory / MANIFEST).read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -210,6 +221,50 @@ def read_manifest(run_dir: Path, iteration: int, stage: str, *, verify: bool = F
             if path.stat().st_size != entry.size or (verify and _sha256(path) != entry.sha256):
                 return None
         except OSError:
+            return None
+    return manifest
+
+
+def _stage_key(run_key: str, run_dir: Path, directory: Path) -> str:
+    return f"{run_key}/{directory.relative_to(run_dir).as_posix()}"
+
+
+def _read_remote_manifest(
+    store: Store, run_key: str, run_dir: Path, iteration: int, stage: str, verify: bool
+) -> StageManifest | None:
+    """``read_manifest`` for a mirrored run: the store's manifest, its mirror copy refreshed."""
+    directory = stage_dir(run_dir, iteration, stage)
+    key = _stage_key(run_key, run_dir, directory)
+    try:
+        raw = store.read_bytes(f"{key}/{MANIFEST}")
+    except FileNotFoundError:
+        (directory / MANIFEST).unlink(missing_ok=True)
+        return None
+    directory.mkdir(parents=True, exist_ok=True)
+    if not (directory / MANIFEST).is_file() or (directory / MANIFEST).read_bytes() != raw:
+        tmp = directory / f".{MANIFEST}.tmp-{uuid.uuid4().hex[:8]}"
+        tmp.write_bytes(raw)
+        os.replace(tmp, directory / MANIFEST)  # the mirror shows what the store holds, readable or not
+    try:
+        manifest = StageManifest.model_validate_json(raw)
+    except ValueError:
+        return None
+    if manifest.stage != stage or manifest.iteration != iteration or not _ATTEMPT.match(manifest.prefix):
+        return None
+    attempt = f"{key}/{manifest.prefix}"
+    if not verify:
+        sizes = store.sizes(attempt)
+        return manifest if all(sizes.get(rel) == entry.size for rel, entry in manifest.files.items()) else None
+    folder = directory / manifest.prefix
+    for rel, entry in manifest.files.items():
+        path = folder / rel
+        if path.is_file() and path.stat().st_size == entry.size and _sha256(path) == entry.sha256:
+            continue  # fetched or written here before, and intact
+        try:
+            store.get_file(f"{attempt}/{rel}", path)
+        except FileNotFoundError:
+            return None
+        if path.stat().st_size != entry.size or _sha256(path) != entry.sha256:
             return None
     return manifest
 
@@ -275,41 +330,94 @@ def commit(
     """
     global _committing
     final = stage_dir(run_dir, iteration, stage)
+    on_store = remote(run_dir)
+    if on_store is not None:
+        store, stage_key = on_store[0], _stage_key(on_store[1], run_dir, final)
+        replaced = store.tag(f"{stage_key}/{MANIFEST}")  # the commit replaces exactly this manifest, or none
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:8]}")
     tmp.mkdir()
     start = time.perf_counter()
     _committing = (iteration, stage)
+    prefix = f"a-{uuid.uuid4().hex[:12]}" if on_store is not None else ""
     try:
         output = write(tmp)
         plain_modes(tmp)
         files = _fsync_tree(tmp)
-        if commit_guard is not None:
-            commit_guard()
-        remove_dir(final)
-        os.replace(tmp, final)
-        fault_point("renamed")
+        manifest = StageManifest(
+            run_id=run_id,
+            iteration=iteration,
+            stage=stage,
+            inputs_hash=key,
+            files=files,
+            metrics={k: float(v) for k, v in output.metrics.items()},
+            info=output.info,
+            seconds=round(time.perf_counter() - start + prior_seconds, 4),
+            created=datetime.now(timezone.utc).isoformat(),
+            prefix=prefix,
+        )
+        if on_store is not None:
+            _publish(store, stage_key, tmp, manifest, replaced)
+            remove_dir(final)
+            final.mkdir()
+            os.replace(tmp, final / prefix)  # the mirror: the committed attempt, where readers look for it
+        else:
+            if commit_guard is not None:
+                commit_guard()
+            remove_dir(final)
+            os.replace(tmp, final)
+            fault_point("renamed")
     except BaseException:
         _committing = None
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    manifest = StageManifest(
-        run_id=run_id,
-        iteration=iteration,
-        stage=stage,
-        inputs_hash=key,
-        files=files,
-        metrics={k: float(v) for k, v in output.metrics.items()},
-        info=output.info,
-        seconds=round(time.perf_counter() - start + prior_seconds, 4),
-        created=datetime.now(timezone.utc).isoformat(),
-    )
     try:
         write_json_atomic(final / MANIFEST, manifest.model_dump(mode="json"))
         fault_point("committed")
     finally:
         _committing = None
     return manifest
+
+
+class StageCommitLost(RuntimeError):
+    """Another writer committed the stage between this attempt's start and its manifest write (object stores)."""
+
+
+def _publish(store: Store, stage_key: str, folder: Path, manifest: StageManifest, replaced: str | None) -> None:
+    """Commit ``folder`` as ``manifest`` on an object store: upload it under the attempt's own prefix, then write
+    the manifest conditionally: create-only where there was none, else only over the manifest of tag
+    ``replaced``. Of racing writers one wins; a loser removes its prefix, which no manifest names. Attempts the
+    new manifest does not name are removed after it (readers never list, so one left by a kill is never read).
+
+    Raises:
+        StageCommitLost: another writer's manifest won. LeaseLost: (``commit_guard``) this process lost the run.
+    """
+    attempt = f"{stage_key}/{manifest.prefix}"
+    try:
+        store.put_folder(folder, attempt)
+        fault_point("renamed")  # every file uploaded, the manifest not written
+        if commit_guard is not None:
+            commit_guard()
+        data = json.dumps(manifest.model_dump(mode="json"), indent=2, sort_keys=True).encode() + b"\n"
+        key = f"{stage_key}/{MANIFEST}"
+        won = store.create(key, data) if replaced is None else store.replace_if(key, data, replaced)
+        if won is None:
+            raise StageCommitLost(f"{store.url(key)} was committed by another writer first; this attempt is dropped")
+    except BaseException:
+        with contextlib.suppress(Exception):
+            store.delete(attempt)
+        raise
+    for name in store.ls(stage_key):
+        if name != MANIFEST and name != manifest.prefix and _ATTEMPT.match(name):
+            store.delete(f"{stage_key}/{name}")
+
+
+def remove_stage_tree(run_dir: Path, relative: str) -> None:
+    """Remove ``<run_dir>/<relative>`` (a sharded stage's shards, once merged): from the store first for a
+    mirrored run, then from this machine."""
+    if (on_store := remote(run_dir)) is not None:
+        on_store[0].delete(f"{on_store[1]}/{relative}")
+    remove_dir(Path(run_dir) / relative)
 
 
 def run_or_skip(

@@ -175,6 +175,46 @@ class Store:
         names = (str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries)
         return sorted(n for n in names if not n.startswith("."))
 
+    def modified(self, key: str) -> float:
+        """When the object was last written, in seconds since the epoch (0.0 when the store does not say)."""
+        try:
+            if self.local:
+                return os.stat(self.path(key)).st_mtime
+            stamp = self.fs.info(self.path(key), refresh=True).get("LastModified")
+            return stamp.timestamp() if hasattr(stamp, "timestamp") else 0.0
+        except FileNotFoundError:
+            return 0.0
+
+    def sizes(self, key: str) -> dict[str, int]:
+        """The size in bytes of every object under the prefix ``key``, by its name relative to ``key`` (one
+        fresh listing; empty when there is nothing)."""
+        base = self.path(key)
+        try:
+            found = self.fs.find(base, detail=True)
+        except FileNotFoundError:
+            return {}
+        return {
+            name[len(base) + 1 :]: int(info["size"])
+            for name, info in found.items()
+            if name.startswith(f"{base}/") and info.get("type", "file") == "file"
+        }
+
+    def get_file(self, key: str, local: Path) -> None:
+        """Download the object ``key`` to the local file ``local`` (written whole: a temporary file, then
+        ``os.replace``).
+
+        Raises:
+            FileNotFoundError: no such object.
+        """
+        local = Path(local)
+        local.parent.mkdir(parents=True, exist_ok=True)
+        tmp = local.with_name(f".{local.name}.tmp-{uuid.uuid4().hex[:8]}")
+        try:
+            self.fs.get_file(self.path(key), str(tmp))
+            os.replace(tmp, local)
+        finally:
+            _unlink(str(tmp))
+
     # Writes -----------------------------------------------------------------------------------------------
 
     def write_bytes(self, key: str, data: bytes) -> str:
@@ -309,9 +349,10 @@ class Store:
         except StoreError:
             raise
         except Exception as exc:  # botocore's and aiohttp's own classes; named below by what they mean
-            raise StoreError(self._explain(exc)) from None
+            raise StoreError(self.explain(exc)) from None
 
-    def _explain(self, exc: BaseException) -> str:
+    def explain(self, exc: BaseException) -> str:
+        """One line saying why a request to this store failed and what to set (no credential in it)."""
         name = type(exc).__name__
         text = str(exc)
         endpoint = getattr(self.fs, "endpoint_url", None) or "AWS"

@@ -1,0 +1,242 @@
+"""A campaign whose run store is an S3 bucket (moto's server on loopback): the same results as on a local folder,
+the same commands on it, and the commit protocol of an object store (attempt prefixes, conditional manifests)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from conftest import tiny_config
+from typer.testing import CliRunner
+
+from solrl.cli import app
+from solrl.stages.context import StageContext
+from solrl.stages.pipeline import campaign_plan, run_stage
+from solrl.storage.mirror import remote
+from solrl.storage.runs import create_run, list_runs, open_run
+from solrl.storage.stage import MANIFEST, StageOutput, commit, read_manifest, require, stage_dir
+from solrl.storage.store import Store
+
+runner = CliRunner()
+
+
+def run_campaign(root: str) -> Path:
+    """A 2-iteration tiny-digits run ``same`` in ``root`` through the stage functions; returns its run folder."""
+    run = create_run(tiny_config(Path("/unused"), f"storage.root={root}"), "same")
+    for iteration, stages in campaign_plan(run.config):
+        ctx = StageContext(run.config, run.run_dir, run.run_id, iteration, run.config_hash)
+        for stage in stages:
+            run_stage(ctx, stage)
+    return run.run_dir
+
+
+def checksums(run_dir: Path) -> dict[tuple[int, str, str], object]:
+    """The sha256 of every committed file of the run, by (iteration, stage, file), checksums verified; a
+    checkpoint's ``state.json`` as its content less the config hash (``storage.root`` is part of the config)."""
+    found: dict[tuple[int, str, str], object] = {}
+    for iteration, stages in campaign_plan(open_run(*_store_and_id(run_dir)).config):
+        for stage in stages:
+            folder, manifest = require(run_dir, iteration, stage)
+            found.update({(iteration, stage, rel): entry.sha256 for rel, entry in manifest.files.items()})
+            if stage == "checkpoint":
+                state = json.loads((folder / "state.json").read_text())
+                found[(iteration, stage, "state.json")] = {k: v for k, v in state.items() if k != "config_hash"}
+    return found
+
+
+def _store_and_id(run_dir: Path) -> tuple[str, str]:
+    on_store = remote(run_dir)
+    return (on_store[0].uri if on_store else str(run_dir.parent)), run_dir.name
+
+
+@pytest.fixture(scope="module")
+def s3_and_local(s3_server: str, tmp_path_factory: pytest.TempPathFactory):
+    """One campaign on S3 and the same on a local folder, shared by the tests that only read them."""
+    with pytest.MonkeyPatch.context() as env:
+        bucket = _s3_user(env, s3_server)
+        local = run_campaign(str(tmp_path_factory.mktemp("local") / "runs"))
+        on_s3 = run_campaign(f"s3://{bucket}/team/runs")
+        yield on_s3, local, f"s3://{bucket}/team/runs", env
+
+
+def _s3_user(env: pytest.MonkeyPatch, endpoint: str) -> str:
+    import uuid
+
+    import boto3
+
+    env.setenv("AWS_ACCESS_KEY_ID", "AKIASOLRLTESTKEY0000")
+    env.setenv("AWS_SECRET_ACCESS_KEY", "solrl-test-secret-0000000000000000000000")
+    env.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    env.setenv("AWS_ENDPOINT_URL", endpoint)
+    bucket = f"solrl-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=bucket)
+    return bucket
+
+
+def test_a_campaign_on_s3_equals_the_local_one_file_for_file(s3_and_local):
+    on_s3, local, root, _ = s3_and_local
+    assert remote(on_s3) is not None and remote(local) is None
+    expected = checksums(local)
+    assert len(expected) > 20 and checksums(on_s3) == expected
+    # On the store: the run file, and each stage's manifest beside the one attempt it names (no other).
+    store = Store.open(root)
+    assert json.loads(store.read_bytes("same/run.json"))["run_id"] == "same"
+    for iteration, stage, _ in expected:
+        key = f"same/iter_{iteration:06d}/{stage}"
+        manifest = json.loads(store.read_bytes(f"{key}/{MANIFEST}"))
+        assert sorted(store.ls(key)) == sorted([MANIFEST, manifest["prefix"]]), key
+    assert [r["run_id"] for r in list_runs(root)] == ["same"] and list_runs(root)[0]["iterations_done"] == 2
+
+
+def test_the_commands_work_on_the_s3_run(s3_and_local, tmp_path: Path):
+    on_s3, _, root, _ = s3_and_local
+    listed = runner.invoke(app, ["ls", "--store", root])
+    assert listed.exit_code == 0 and "same" in listed.output, listed.output
+    page = tmp_path / "report.html"
+    reported = runner.invoke(app, ["report", "same", "--store", root, "--html", str(page)])
+    assert reported.exit_code == 0, reported.output
+    assert "best and worst, iteration 2" in page.read_text()
+    inspected = runner.invoke(app, ["inspect", "same", "--store", root, "--iteration", "2"])
+    assert inspected.exit_code == 0 and "run same, iteration 2" in inspected.output, inspected.output
+    out = tmp_path / "pool.png"
+    shown = runner.invoke(
+        app, ["show", "same", "--store", root, "--iteration", "1", "--prompt", "0", "--out", str(out)]
+    )
+    assert shown.exit_code == 0 and out.stat().st_size > 0, shown.output
+    exported = runner.invoke(app, ["export", "same", "--store", root, "--out", str(tmp_path / "lora")])
+    assert exported.exit_code == 0, exported.output
+    assert (tmp_path / "lora" / "pytorch_lora_weights.safetensors").is_file()
+
+
+def test_a_mirror_that_lost_or_changed_files_is_refetched_from_the_store(s3_and_local):
+    on_s3, _, _, _ = s3_and_local
+    folder, manifest = require(on_s3, 1, "select")
+    (folder / "selection.parquet").unlink()
+    (folder / "best_worst.png").write_bytes(b"edited in the cache")
+    again, same = require(on_s3, 1, "select")
+    assert same == manifest and (again / "selection.parquet").is_file()
+    assert (again / "best_worst.png").stat().st_size == manifest.files["best_worst.png"].size
+
+
+def _two_files(out: Path) -> StageOutput:
+    (out / "a.txt").write_text("alpha")
+    return StageOutput(metrics={"m": 1.0})
+
+
+def test_a_corrupted_object_or_manifest_on_the_store_is_never_trusted(s3_and_local):
+    on_s3, _, root, _ = s3_and_local
+    store, run_key = remote(on_s3)
+    run_dir = on_s3.parent / "commit-tests"
+    commit(run_dir, "commit-tests", 1, "explore", "k", _two_files)
+    key = "commit-tests/iter_000001/explore"
+    manifest = read_manifest(run_dir, 1, "explore", verify=True)
+    store.write_bytes(f"{key}/{manifest.prefix}/a.txt", b"ALPHA")  # same size, other bytes, on the store
+    (stage_dir(run_dir, 1, "explore") / manifest.prefix / "a.txt").unlink()  # and not in the mirror
+    assert read_manifest(run_dir, 1, "explore") is not None  # sizes hold
+    assert read_manifest(run_dir, 1, "explore", verify=True) is None
+    store.write_bytes(f"{key}/{MANIFEST}", b"{not json")
+    assert read_manifest(run_dir, 1, "explore") is None
+    redone = commit(run_dir, "commit-tests", 1, "explore", "k", _two_files)  # over the unreadable manifest
+    assert read_manifest(run_dir, 1, "explore", verify=True) == redone
+    assert sorted(store.ls(key)) == sorted([MANIFEST, redone.prefix])  # the older attempt is gone
+
+
+def campaign_on(root: str, env: dict[str, str], fault: str | None) -> None:
+    """Create or resume run ``same`` in ``root`` and run its whole plan (in a child: its environment is set here,
+    the forkserver having started before the test set it)."""
+    import torch
+
+    from solrl.storage.stage import FAULT_ENV
+
+    torch.set_num_threads(1)
+    os.environ.update(env)
+    os.environ.pop(FAULT_ENV, None)
+    if fault is not None:
+        os.environ[FAULT_ENV] = fault
+    cfg = tiny_config(Path("/unused"), f"storage.root={root}")
+    store = Store.open(root)
+    run = open_run(root, "same") if store.exists("same/run.json") else create_run(cfg, "same")
+    for iteration, stages in campaign_plan(run.config):
+        ctx = StageContext(run.config, run.run_dir, run.run_id, iteration, run.config_hash)
+        for stage in stages:
+            run_stage(ctx, stage)
+
+
+@pytest.mark.slow
+def test_a_kill_at_each_fault_point_of_explore_and_update_then_resume_equals_the_run(s3_and_local, tmp_path: Path):
+    import multiprocessing
+
+    from conftest import CHILD_PRELOAD
+
+    from solrl.storage.stage import FAULT_POINTS
+
+    _, local, root, _ = s3_and_local
+    root = root.replace("/team/runs", "/faults/runs")
+    env = {k: os.environ[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")}
+    env |= {"AWS_ENDPOINT_URL": os.environ["AWS_ENDPOINT_URL"], "SOLRL_CACHE": str(tmp_path / "node-cache")}
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(CHILD_PRELOAD)
+
+    def child(fault: str | None) -> int | None:
+        process = context.Process(target=campaign_on, args=(root, env, fault))
+        process.start()
+        process.join(timeout=600)
+        return process.exitcode
+
+    store = Store.open(root)
+    for point in [f"{i}:{s}:{p}" for i in (1, 2) for s in ("explore", "update") for p in FAULT_POINTS]:
+        assert child(point) == -9, f"{point}: the process was not killed there"
+        iteration, stage, where = point.split(":")
+        key = f"same/iter_{int(iteration):06d}/{stage}"
+        committed = store.exists(f"{key}/{MANIFEST}")
+        assert committed == (where == "committed"), point
+        if where == "renamed":  # uploaded, not committed: an attempt no manifest names, which nothing reads
+            assert [n for n in store.ls(key) if n.startswith("a-")], point
+    assert child(None) == 0
+    mirror = Path(env["SOLRL_CACHE"]) / "stores"
+    (run_dir,) = mirror.glob("*/same")
+    assert checksums(run_dir) == checksums(local)
+    for iteration, stages in campaign_plan(open_run(root, "same").config):
+        for stage in stages:  # one manifest and the one attempt it names: no attempt of a killed try is left
+            key = f"same/iter_{iteration:06d}/{stage}"
+            named = json.loads(store.read_bytes(f"{key}/{MANIFEST}"))["prefix"]
+            assert sorted(store.ls(key)) == sorted([MANIFEST, named]), key
+
+
+def test_two_writers_racing_for_one_stage_one_manifest_wins(s3_and_local):
+    """Eight writers commit one stage at once, each with its own client: one manifest wins, the others fail
+    with ``StageCommitLost`` and remove their attempt, and a reader finds exactly the winner's files."""
+    import threading
+
+    from solrl.storage.stage import StageCommitLost
+
+    on_s3, _, _, _ = s3_and_local
+    run_dir = on_s3.parent / "race"
+    outcomes: list[object] = [None] * 8
+    start = threading.Barrier(8)
+
+    def write(i: int) -> None:
+        def files(out: Path) -> StageOutput:
+            start.wait()  # every writer has read the (absent) manifest's tag before any commits
+            (out / "writer.txt").write_text(f"writer {i}")
+            return StageOutput(metrics={"writer": float(i)})
+
+        try:
+            outcomes[i] = commit(run_dir, "race", 1, "explore", "k", files)
+        except StageCommitLost as exc:
+            outcomes[i] = exc
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    winners = [o for o in outcomes if not isinstance(o, Exception)]
+    assert len(winners) == 1 and all(isinstance(o, StageCommitLost) or o is winners[0] for o in outcomes)
+    folder, manifest = require(run_dir, 1, "explore")
+    assert manifest.prefix == winners[0].prefix
+    assert (folder / "writer.txt").read_text() == f"writer {int(manifest.metrics['writer'])}"
+    store, _ = remote(run_dir)
+    assert sorted(store.ls("race/iter_000001/explore")) == sorted([MANIFEST, manifest.prefix])
