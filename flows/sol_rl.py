@@ -33,6 +33,7 @@ from solrl.stages.pipeline import ITERATION, STAGES, campaign_plan, first_pendin
 from solrl.stages.runnable import check_runnable
 from solrl.stages.sharding import Shard
 from solrl.storage.html_report import REPORT_DIR, write_report
+from solrl.storage.mirror import publish_folder
 from solrl.storage.runs import Run, open_run, run_lock
 from solrl.storage.stage import read_manifest, require, stage_dir
 from solrl.storage.tracking import Tracker
@@ -162,8 +163,11 @@ def _run_and_track(
 
 
 def _write_report(run: Run) -> Path:
-    """Rewrite the run store's HTML report and its figures (``<run>/report/``); returns the page."""
-    return write_report(run, [s.name for s in ITERATION], campaign_plan(run.config), run.run_dir / REPORT_DIR)[0]
+    """Rewrite the run store's HTML report and its figures (``<run>/report/``, uploaded too when the store is an
+    object store); returns the page on this machine."""
+    page = write_report(run, [s.name for s in ITERATION], campaign_plan(run.config), run.run_dir / REPORT_DIR)[0]
+    publish_folder(run.run_dir, REPORT_DIR)
+    return page
 
 
 @flow(name="sol-rl-iteration", flow_run_name="{run_id}-iter{iteration}")

@@ -156,8 +156,11 @@ def _report(store: str, run_id: str, outcome: str = "finished") -> None:
     prefect_home = os.environ.get("PREFECT_HOME", "~/.prefect")
     # One server process and no GenAI job workers (MLflow's default starts about ten processes).
     mlflow_ui = f"MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false mlflow ui --workers 1 --backend-store-uri {uri}"
+    mirrored = run.run_dir != Path(run.store) / run_id  # an object store's run, worked on through a mirror here
     typer.echo(
-        f"\nrun {run_id} {outcome}; results in {run.run_dir}\n"
+        f"\nrun {run_id} {outcome}; results in {run.store}/{run_id}"
+        + (f" (this machine's copy: {run.run_dir})" if mirrored else "")
+        + "\n"
         + (f"  evaluated:  {summary}\n" if summary else "")
         + f"  per-iteration stages: {run.run_dir}/iter_*/<stage>/ (Zarr pools, Parquet tables, checkpoint)\n"
         f"  report:     {run.run_dir / REPORT_DIR / 'report.html'}\n"
@@ -188,9 +191,10 @@ def run(
             from solrl.storage.runs import check_run_id, create_run, new_run_id, open_store
 
             check_runnable(cfg)
-            _start_prefect_early()  # after the checks: bad input exits at once, with no server to stop
             run_id = check_run_id(run_id or new_run_id(cfg.name))
             store = open_store(cfg.storage.root)
+            store.check(write=True)  # an object store that cannot be used: one line, nothing written anywhere
+            _start_prefect_early()  # after the checks: bad input exits at once, with no server to stop
             made += [run_id, store.root if store.local else store.uri]  # the hint, once run.json exists
             created = create_run(cfg, run_id, weights=model_family(cfg.model).weights_fingerprint(cfg.model))
         except ConfigError as exc:
@@ -323,13 +327,17 @@ def list_(store: StoreOption = "runs") -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from solrl.storage.runs import list_runs
+    from solrl.storage.runs import list_runs, open_store
 
-    rows = list_runs(store)
+    try:
+        where = open_store(store).describe()
+        rows = list_runs(store)
+    except ConfigError as exc:
+        _fail(str(exc))
     if not rows:
-        typer.echo(f"no runs in {Path(store).resolve()}")
+        typer.echo(f"no runs in {where}")
         return
-    table = Table(title=f"runs in {Path(store).resolve()}")
+    table = Table(title=f"runs in {where}")
     table.add_column("run id", no_wrap=True, min_width=max(len(str(r["run_id"])) for r in rows))
     for name in ("created (UTC)", "iterations done", "last committed stage", "explore"):
         table.add_column(name, overflow="fold")

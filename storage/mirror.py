@@ -61,3 +61,15 @@ def remote(run_dir: Path) -> tuple[Store, str] | None:
     """The object store and the run's key in it when ``run_dir`` is a mirror; None for a run of a local store."""
     store = _mirrored_store(str(Path(run_dir).parent))
     return None if store is None else (store, Path(run_dir).name)
+
+
+def publish_folder(run_dir: Path, relative: str) -> None:
+    """Copy ``<run_dir>/<relative>`` (a folder no stage commits, such as the HTML report) to the object store a
+    mirrored run belongs to, file by file; nothing for a run of a local store.
+
+    Raises:
+        OSError: the store refused a write.
+    """
+    if (on_store := remote(run_dir)) is not None:
+        store, run_key = on_store
+        store.put_folder(Path(run_dir) / relative, f"{run_key}/{relative}")

@@ -137,7 +137,10 @@ class Store:
         return f"{self.uri}/{key}".rstrip("/") if key else self.uri
 
     def describe(self) -> str:
-        """What may be shown of this store: its URL and, for S3, the endpoint (no credential ever)."""
+        """What may be shown of this store: a local folder's path, or the URL and, for S3, the endpoint (no
+        credential ever)."""
+        if self.local:
+            return self.root
         endpoint = getattr(self.fs, "endpoint_url", None)
         return f"{self.uri} (endpoint {endpoint})" if endpoint else self.uri
 

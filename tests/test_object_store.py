@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -240,3 +242,109 @@ def test_two_writers_racing_for_one_stage_one_manifest_wins(s3_and_local):
     assert (folder / "writer.txt").read_text() == f"writer {int(manifest.metrics['writer'])}"
     store, _ = remote(run_dir)
     assert sorted(store.ls("race/iter_000001/explore")) == sorted([MANIFEST, manifest.prefix])
+
+
+#: Made-up credentials, unlike anything else a run writes: found anywhere, they leaked.
+KEY_ID, SECRET = "AKIASOLRLLEAKCHECK42", "solrl-leak-check-secret-9f8e7d6c5b4a"
+
+
+def _cli_env(endpoint: str, tmp_path: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env |= {
+        "AWS_ACCESS_KEY_ID": KEY_ID,
+        "AWS_SECRET_ACCESS_KEY": SECRET,
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_EC2_METADATA_DISABLED": "true",
+        "SOLRL_CACHE": str(tmp_path / "cache"),
+        "PREFECT_HOME": str(tmp_path / "prefect"),
+        "OMP_NUM_THREADS": "1",
+    }
+    return env
+
+
+def _solrl(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    solrl = [sys.executable, "-m", "solrl.cli"]
+    return subprocess.run([*solrl, *args], env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_a_campaign_through_the_cli_on_s3_keeps_the_credentials_out_of_everything(s3_server: str, tmp_path: Path):
+    """``solrl run`` with the store on S3, through Prefect and MLflow as a user runs it; then the store, the logs,
+    this machine's mirror and MLflow database, and Prefect's database (flow-run parameters) hold no credential."""
+    import boto3
+    from conftest import TINY
+
+    env = _cli_env(s3_server, tmp_path)
+    bucket = f"solrl-{os.urandom(6).hex()}"
+    boto3.client("s3", endpoint_url=s3_server, aws_access_key_id=KEY_ID, aws_secret_access_key=SECRET).create_bucket(
+        Bucket=bucket
+    )
+    root = f"s3://{bucket}/runs"
+    sets = [item for s in [*TINY, f"storage.root={root}"] for item in ("--set", s)]
+    ran = _solrl("run", "tiny-digits", *sets, "--run-id", "creds", env=env)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert f"results in {root}/creds" in ran.stdout
+    resumed = _solrl("resume", "creds", "--store", root, env=env)
+    assert resumed.returncode == 0 and "nothing to do" in resumed.stdout, resumed.stderr[-2000:]
+    logs = ran.stdout + ran.stderr + resumed.stdout + resumed.stderr
+    leaked = [where for where in ("logs",) if KEY_ID in logs or SECRET in logs]
+    s3 = boto3.client("s3", endpoint_url=s3_server, aws_access_key_id=KEY_ID, aws_secret_access_key=SECRET)
+    keys = [o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket) for o in page["Contents"]]
+    assert "runs/creds/run.json" in keys and "runs/creds/report/report.html" in keys
+    for key in keys:
+        body = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+        if KEY_ID.encode() in body or SECRET.encode() in body:
+            leaked.append(f"s3://{bucket}/{key}")
+    local = [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]
+    local += [p for p in (tmp_path / "prefect").rglob("*") if p.is_file()]
+    assert any(p.name == "mlflow.db" for p in local) and any(
+        p.suffix == ".db" for p in (tmp_path / "prefect").rglob("*")
+    )
+    for path in local:  # the MLflow and Prefect databases are searched as bytes (params, flow-run parameters)
+        data = path.read_bytes()
+        if KEY_ID.encode() in data or SECRET.encode() in data:
+            leaked.append(str(path))
+    assert leaked == []
+
+
+@pytest.mark.parametrize(
+    "case, root, env_change, message",
+    [
+        (
+            "no bucket",
+            "s3://solrl-no-such-bucket/runs",
+            {},
+            "bucket 'solrl-no-such-bucket' of s3://solrl-no-such-bucket/runs does not exist",
+        ),
+        ("unreachable", None, {"AWS_ENDPOINT_URL": "http://127.0.0.1:9"}, "cannot reach the object store for s3://"),
+        (
+            "no credentials",
+            None,
+            {"AWS_ACCESS_KEY_ID": None, "AWS_SECRET_ACCESS_KEY": None},
+            "no credentials for s3://",
+        ),
+        ("credentials in the URI", "s3://AKIAX:topsecret@bucket/runs", {}, "carries credentials"),
+    ],
+)
+def test_an_object_store_that_cannot_be_used_is_one_line_and_exit_2_before_any_work(
+    s3_server: str, tmp_path: Path, case: str, root: str | None, env_change: dict, message: str
+):
+    import boto3
+
+    env = _cli_env(s3_server, tmp_path)
+    env |= {"AWS_SHARED_CREDENTIALS_FILE": "/nonexistent", "AWS_CONFIG_FILE": "/nonexistent"}
+    bucket = f"solrl-{os.urandom(6).hex()}"
+    boto3.client("s3", endpoint_url=s3_server, aws_access_key_id=KEY_ID, aws_secret_access_key=SECRET).create_bucket(
+        Bucket=bucket
+    )
+    for name, value in env_change.items():
+        env.pop(name) if value is None else env.__setitem__(name, value)
+    ran = _solrl("run", "tiny-digits", "--set", f"storage.root={root or f's3://{bucket}/runs'}", env=env)
+    assert ran.returncode == 2, (case, ran.stderr[-2000:])
+    lines = [line for line in ran.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and message in lines[0], (case, ran.stderr)
+    assert "topsecret" not in ran.stderr and SECRET not in ran.stderr
+    assert not (tmp_path / "cache" / "stores").exists() and not (tmp_path / "prefect").exists()  # nothing written
+    s3 = boto3.client("s3", endpoint_url=s3_server, aws_access_key_id=KEY_ID, aws_secret_access_key=SECRET)
+    assert "Contents" not in s3.list_objects_v2(Bucket=bucket)
