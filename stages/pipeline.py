@@ -206,7 +206,8 @@ COUNTED_INFO = ("prompts", "samples")
 
 def merge_outputs(manifests: list[StageManifest]) -> StageOutput:
     """The stage output of its shards: ``*seconds`` metrics summed, other metrics from the first shard;
-    ``COUNTED_INFO`` summed, warnings joined, other info from the first shard."""
+    ``COUNTED_INFO`` summed, warnings joined, other info from the first shard; ``nodes``: the machine that
+    computed each shard, in shard order."""
     metrics = dict(manifests[0].metrics)
     for key in metrics:
         if key.endswith("seconds"):
@@ -218,6 +219,7 @@ def merge_outputs(manifests: list[StageManifest]) -> StageOutput:
         elif key in COUNTED_INFO:
             info[key] = sum(int(m.info.get(key, 0)) for m in manifests)
     info["shards"] = len(manifests)
+    info["nodes"] = [m.node for m in manifests]
     return StageOutput(metrics=metrics, info=info)
 
 
@@ -253,7 +255,8 @@ def run_stage(ctx: StageContext, name: str) -> tuple[StageManifest, bool]:
             folders = [require(ctx.run_dir, ctx.iteration, m.stage)[0] for m in committed]  # checksums verified
             if stage.reduce is not None:
                 inputs = [a.load(ctx.run_dir, ctx.iteration) for a in stage.reads]
-                return replace_info(stage.reduce(ctx, out, folders, *inputs), shards=len(folders))
+                output = stage.reduce(ctx, out, folders, *inputs)
+                return replace_info(output, shards=len(folders), nodes=[m.node for m in committed])
             artifact.concat([artifact.read(folder / artifact.filename) for folder in folders]).write(out)
             return merge_outputs(committed)
 

@@ -25,6 +25,8 @@ import os
 import re
 import shutil
 import signal
+import socket
+import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -99,6 +101,8 @@ class StageManifest(BaseModel):
     #: The attempt folder, inside the stage's folder, that holds ``files``; "" (a local store) for the stage's
     #: folder itself.
     prefix: str = ""
+    #: The machine that computed the stage (``current_node``); "" for runs made before it was recorded.
+    node: str = ""
 
     def digest(self) -> str:
         """sha256 over the inputs hash and every file checksum: what downstream stages hash as their input."""
@@ -114,6 +118,16 @@ class StageOutput:
 
     metrics: dict[str, float] = field(default_factory=dict)
     info: dict[str, Any] = field(default_factory=dict)
+
+
+def current_node() -> str:
+    """The machine this process runs on: ``ray:<node id>`` inside a Ray cluster (its simulated nodes share a
+    host name), else the host name."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        with contextlib.suppress(Exception):
+            return f"ray:{ray.get_runtime_context().get_node_id()}"
+    return socket.gethostname()
 
 
 def iteration_dir(run_dir: Path, iteration: int) -> Path:
@@ -355,6 +369,7 @@ def commit(
             seconds=round(time.perf_counter() - start + prior_seconds, 4),
             created=datetime.now(timezone.utc).isoformat(),
             prefix=prefix,
+            node=current_node(),
         )
         if on_store is not None:
             _publish(store, stage_key, tmp, manifest, replaced)

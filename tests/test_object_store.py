@@ -348,3 +348,54 @@ def test_an_object_store_that_cannot_be_used_is_one_line_and_exit_2_before_any_w
     assert not (tmp_path / "cache" / "stores").exists() and not (tmp_path / "prefect").exists()  # nothing written
     s3 = boto3.client("s3", endpoint_url=s3_server, aws_access_key_id=KEY_ID, aws_secret_access_key=SECRET)
     assert "Contents" not in s3.list_objects_v2(Bucket=bucket)
+
+
+def staged_outputs(run_dir: Path) -> dict[str, object]:
+    """``test_faults.outputs`` of every committed stage, found through its manifest (checksums verified), keyed
+    ``<iteration>/<stage>/<file>``: the same keys for a run of a local folder and of an object store."""
+    from test_faults import outputs
+
+    found: dict[str, object] = {}
+    for iteration, stages in campaign_plan(open_run(*_store_and_id(run_dir)).config):
+        for stage in stages:
+            folder, _ = require(run_dir, iteration, stage)
+            found.update({f"{iteration}/{stage}/{key}": value for key, value in outputs(folder).items()})
+    return found
+
+
+@pytest.mark.slow
+def test_two_shards_on_two_nodes_of_a_ray_cluster_with_the_store_only_on_s3(s3_and_local, tmp_path: Path):
+    """A simulated 2-node Ray cluster (``ray.cluster_utils.Cluster``), each node with its own ``SOLRL_CACHE``:
+    the shard tasks can share nothing but the S3 store. Each sharded stage's shards ran on the two nodes, and the
+    run equals the 1-process local one within the shard tests' tolerances."""
+    import pandas as pd
+    from ray.cluster_utils import Cluster
+    from test_shards import assert_close_outputs
+
+    from solrl.flows.sol_rl import campaign as prefect_campaign
+
+    _, local, root, _ = s3_and_local
+    root = root.replace("/team/runs", "/ray/runs")
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    try:
+        for name in ("node-a", "node-b"):
+            cluster.add_node(num_cpus=1, env_vars={"SOLRL_CACHE": str(tmp_path / name), "OMP_NUM_THREADS": "1"})
+        cluster.wait_for_nodes()
+        extra = ("campaign.shards=2", "campaign.task_runner=ray", f"campaign.task_runner_address={cluster.address}")
+        run = create_run(tiny_config(Path("/unused"), f"storage.root={root}", *extra), "same")
+        prefect_campaign(root, "same")
+    finally:
+        cluster.shutdown()
+    for iteration in (1, 2):
+        for stage in ("explore", "regenerate", "score_explore"):
+            nodes = read_manifest(run.run_dir, iteration, stage).info["nodes"]
+            assert len(nodes) == 2 and len(set(nodes)) == 2 and all(n.startswith("ray:") for n in nodes), nodes
+    for name in ("node-a", "node-b"):  # each node fetched its inputs into its own cache, from the store
+        assert list((tmp_path / name / "stores").glob("*/same/iter_000001/explore.shards/*/a-*"))
+    assert_close_outputs(staged_outputs(run.run_dir), staged_outputs(local))
+    kept = ["group", "slot", "candidate_index", "seed"]
+    for iteration in (1, 2):
+        got = pd.read_parquet(require(run.run_dir, iteration, "select")[0] / "selection.parquet")
+        pd.testing.assert_frame_equal(
+            got[kept], pd.read_parquet(require(local, iteration, "select")[0] / "selection.parquet")[kept]
+        )

@@ -59,7 +59,16 @@ def campaign(store: str, shards: int, fault: str | None = None) -> None:
 def assert_same_outputs(got_dir: Path, expected_dir: Path) -> None:
     """Every Parquet table equal; every Zarr array and checkpoint tensor equal within float tolerance (a shard
     samples a smaller batch: CPU kernels may round its last bits differently); the kept seeds identical."""
-    expected, got = outputs(expected_dir), outputs(got_dir)
+    assert_close_outputs(outputs(got_dir), outputs(expected_dir))
+    for path in sorted(expected_dir.rglob("selection.parquet")):
+        kept = ["group", "slot", "candidate_index", "seed"]
+        pd.testing.assert_frame_equal(
+            pd.read_parquet(got_dir / path.relative_to(expected_dir))[kept], pd.read_parquet(path)[kept]
+        )
+
+
+def assert_close_outputs(got: dict[str, object], expected: dict[str, object]) -> None:
+    """``test_faults.outputs`` of two runs: the same keys, within the tolerances of ``assert_same_outputs``."""
     assert sorted(got) == sorted(expected)
     for key, value in expected.items():
         if isinstance(value, pd.DataFrame):
@@ -70,11 +79,6 @@ def assert_same_outputs(got_dir: Path, expected_dir: Path) -> None:
             assert np.abs(got[key].astype(int) - value.astype(int)).max() <= 1, key
         else:
             np.testing.assert_allclose(got[key], value, rtol=1e-4, atol=1e-5, err_msg=key)
-    for path in sorted(expected_dir.rglob("selection.parquet")):
-        kept = ["group", "slot", "candidate_index", "seed"]
-        pd.testing.assert_frame_equal(
-            pd.read_parquet(got_dir / path.relative_to(expected_dir))[kept], pd.read_parquet(path)[kept]
-        )
 
 
 @pytest.fixture(scope="module")
