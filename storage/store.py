@@ -343,12 +343,19 @@ class Store:
         if self.local:
             return
         probe = f".solrl-probe-{uuid.uuid4().hex[:12]}"
+        # One try, a short connect timeout: a store that does not answer says so in seconds, not after retries.
+        options = {**self.fs.storage_options, "skip_instance_cache": True}
+        if self.uri.startswith("s3://"):
+            options |= {"config_kwargs": {"connect_timeout": 5, "retries": {"max_attempts": 1}}}
+        quick = Store(self.uri, type(self.fs)(**options), self.root)
+        if hasattr(quick.fs, "retries"):
+            quick.fs.retries = 1  # s3fs's own retry loop, around botocore's
         try:
-            self.fs.ls(self.root.split("/", 1)[0], refresh=True)
+            quick.fs.ls(self.root.split("/", 1)[0], refresh=True)
             if write:
-                if self.create(probe, b"probe") is None:
+                if quick.create(probe, b"probe") is None:
                     raise StoreError(f"{self.url(probe)} exists before it was written; the store is not private")
-                self.delete(probe)
+                quick.delete(probe)
         except StoreError:
             raise
         except Exception as exc:  # botocore's and aiohttp's own classes; named below by what they mean

@@ -189,7 +189,7 @@ def test_bad_object_store_input_is_one_line_before_any_write(s3_env: str, monkey
         started = time.perf_counter()
         with pytest.raises(StoreError, match=r"cannot reach the object store for s3://.* at http://127.0.0.1:9; check"):
             Store.open(f"{s3_env}/runs").check(write=True)
-        assert time.perf_counter() - started < 30
+        assert time.perf_counter() - started < 10  # one try, a short connect timeout
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
