@@ -6,7 +6,6 @@ descriptions come from the ``Args:`` section of the flow's docstring (Prefect re
 there, not from ``Annotated[..., Field(description=...)]``); ``tests/test_serve.py`` reads them back from the API.
 """
 
-from pathlib import Path
 from typing import Annotated
 
 from prefect import flow, get_run_logger
@@ -44,7 +43,8 @@ def sol_rl(
         iterations: campaign.iterations: RL iterations of this campaign (empty: the config's).
         run_id: Continue this solrl run if it exists in the store, else start it under this id (empty: a new id,
             preset name and flow run id).
-        store: Run store folder on the machine that runs the flow (empty: the config's storage.root).
+        store: Run store: a folder on the machine that runs the flow, or an object store URL such as
+            s3://bucket/runs (empty: the config's storage.root).
 
     Raises:
         ConfigError: a bad config or override, or this machine cannot run it.
@@ -53,14 +53,15 @@ def sol_rl(
 
     from solrl.config import changed_by, load_config
     from solrl.stages.models import model_family
-    from solrl.storage.runs import RUN_FILE, create_run, open_run
+    from solrl.storage.runs import RUN_FILE, create_run, open_run, open_store
 
     logger = get_run_logger()
     extra = [*base_overrides, *overrides, *([f"campaign.iterations={iterations}"] if iterations else [])]
     cfg = load_config(config, [*extra, *([f"storage.root={store}"] if store else [])])
-    root = Path(cfg.storage.root).expanduser().resolve()
+    store_ = open_store(cfg.storage.root)
+    root = store_.root if store_.local else store_.uri
     run_id = run_id or f"{cfg.name}-{str(flow_run.get_id())[:8]}"
-    if (root / run_id / RUN_FILE).exists():
+    if store_.exists(f"{run_id}/{RUN_FILE}"):
         ignored = changed_by(open_run(root, run_id).config, extra)
         if ignored:
             logger.warning("run %s exists: continuing it with its stored config; ignored %s", run_id, ignored)
@@ -69,4 +70,4 @@ def sol_rl(
         check_runnable(cfg)
         create_run(cfg, run_id, weights=model_family(cfg.model).weights_fingerprint(cfg.model))
         logger.info("created run %s in %s", run_id, root)
-    return run_campaign(str(root), run_id)
+    return run_campaign(root, run_id)
