@@ -10,6 +10,13 @@ seconds (evaluation excluded), plus the per-stage time split of an iteration.
     .venv/bin/python bench/convergence.py --iterations 20 --seeds 0 1 2 --out bench/results
     .venv/bin/python bench/convergence.py --from-csv bench/results/convergence.csv --out bench/results  # re-render
 
+Runs that share the machine (several at once, to finish sooner) have metrics but no meaningful seconds; a short
+run of every preset on an idle machine then gives the seconds (``--idle-timing``):
+
+    .venv/bin/python bench/convergence.py --iterations 3 --seeds 0 --out bench/results/idle-timing
+    .venv/bin/python bench/convergence.py --from-csv bench/results/convergence.csv \
+        --idle-timing bench/results/idle-timing/convergence.csv --out bench/results
+
 A ``--variant NAME=PRESET:KEY=VALUE;KEY=VALUE`` adds a row that runs ``PRESET`` with those overrides under its
 own name (the reward-hacking defences of ``bench/results/defences.md`` were measured this way):
 
@@ -214,10 +221,24 @@ def seconds_to_reach(group: pd.DataFrame, metric: str, target: float, column: st
     return float(hit.sort_values("iteration")[column].iloc[0]) if len(hit) else float("nan")
 
 
-def report(frame: pd.DataFrame, target: float, seconds: bool = True) -> str:
+def idle_seconds(idle: pd.DataFrame) -> pd.DataFrame:
+    """Training seconds of each preset in ``idle`` (a short run on an idle machine, at least 2 iterations):
+    ``first``, iteration 1's (it loads and warms up the models), and ``steady``, the mean of the later ones."""
+    train = idle[idle.iteration > 0].copy()
+    train["spent"] = train[stage_columns(train)].fillna(0).sum(axis=1)
+    first = train[train.iteration == 1].groupby("preset")["spent"].mean()
+    steady = train[train.iteration > 1].groupby("preset")["spent"].mean()
+    return pd.DataFrame({"first": first, "steady": steady})
+
+
+def report(frame: pd.DataFrame, target: float, seconds: bool = True, idle: pd.DataFrame | None = None) -> str:
     """The markdown tables: final alignment / diversity per preset, time to ``target`` evaluator alignment,
     and the per-stage time split. ``seconds=False`` (runs that shared the machine, whose timings mean nothing)
-    gives iterations to the target instead and no time split."""
+    gives iterations to the target instead and no time split. With ``idle`` (a short run of the same presets on
+    an idle machine), the metrics come from ``frame`` and the seconds from ``idle``: seconds per iteration, and
+    seconds to the target as each run's iterations to it times its preset's idle seconds per iteration."""
+    if idle is not None:
+        return _report_idle_timed(relative(frame), target, idle)
     frame = relative(frame)
     iterations = int(frame.iteration.max())
     presets = list(dict.fromkeys(frame.preset))
@@ -263,6 +284,50 @@ def report(frame: pd.DataFrame, target: float, seconds: bool = True) -> str:
     return "\n".join(lines)
 
 
+def _report_idle_timed(frame: pd.DataFrame, target: float, idle: pd.DataFrame) -> str:
+    timing = idle_seconds(idle)
+    iterations = int(frame.iteration.max())
+    first, last = frame[frame.iteration == 0], frame[frame.iteration == iterations]
+    lines = [
+        f"tiny-digits, {iterations} iterations, seeds {sorted(frame.seed.unique().tolist())}; mean +- std over "
+        f"seeds; machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}. The metrics are "
+        f"from runs that shared the machine; the seconds from an idle {int(idle.iteration.max())}-iteration run "
+        f"of each preset (seed(s) {sorted(idle.seed.unique().tolist())}): seconds to the target = the idle "
+        f"first iteration's seconds + (a run's iterations to it - 1) x the idle later iterations' mean.",
+        "",
+        f"| preset | runs | alignment | evaluator | diversity (vs start) | grid energy (x start) | iterations to "
+        f"evaluator >= {target} (runs reaching it) | train s / iteration (idle, after the first) | train s to "
+        f"evaluator >= {target} |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        f"| start (iteration 0) | {first.seed.nunique()} | " + cells(first) + " | | | |",
+    ]
+    for preset in dict.fromkeys(frame.preset):
+        rows, runs = last[last.preset == preset], frame[frame.preset == preset]
+        reach = pd.Series([seconds_to_reach(g, EVALS[1], target, "iteration") for _, g in runs.groupby("seed")])
+        known = preset in timing.index
+        if reach.notna().any():
+            reached = f"{reach.mean():.1f} ({reach.notna().sum()}/{len(reach)})"
+            timed = "n/a"
+            if known:
+                first, steady = timing.loc[preset, "first"], timing.loc[preset, "steady"]
+                timed = f"{(first + (reach.dropna() - 1) * steady).mean():.0f}"
+        else:
+            reached, timed = f"never (0/{len(reach)})", "never"
+        spent = f"{timing.loc[preset, 'steady']:.2f}" if known else "n/a"
+        lines.append(f"| {preset} | {len(rows)} | " + cells(rows) + f" | {reached} | {spent} | {timed} |")
+    split = stage_split(idle)
+    lines += [
+        "",
+        "Seconds per stage per iteration on the idle machine (mean):",
+        "",
+        "| preset | " + " | ".join(split.columns) + " |",
+        "|" + " --- |" * (len(split.columns) + 1),
+    ]
+    for preset, row in split.iterrows():
+        lines.append(f"| {preset} | " + " | ".join(f"{v:.2f}" for v in row.to_numpy(np.float64)) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--presets", nargs="*", default=list(PRESETS))
@@ -297,6 +362,13 @@ def main() -> None:
     )
     parser.add_argument("--target", type=float, default=0.8, help="evaluator alignment for the time-to column")
     parser.add_argument(
+        "--idle-timing",
+        type=Path,
+        default=None,
+        help="the convergence.csv of a short run of the same presets on an idle machine: the table's seconds "
+        "come from it (for metrics from runs that shared the machine)",
+    )
+    parser.add_argument(
         "--from-csv",
         type=Path,
         default=None,
@@ -320,8 +392,9 @@ def main() -> None:
         finally:
             shutil.rmtree(store, ignore_errors=True)
         frame = pd.concat(frames, ignore_index=True)
-    plot(frame, args.out / "convergence.png", args.seconds)
-    table = report(frame, args.target, args.seconds)
+    idle = pd.read_csv(args.idle_timing) if args.idle_timing is not None else None
+    plot(frame, args.out / "convergence.png", args.seconds and idle is None)
+    table = report(frame, args.target, args.seconds, idle)
     (args.out / "convergence.md").write_text(table + "\n")
     print(table)
     written = [args.out / "convergence.md", args.out / "convergence.png"]
