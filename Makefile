@@ -12,10 +12,10 @@ export DO_NOT_TRACK ?= 1
 
 .PHONY: demo test lint install clean
 
-$(BIN)/.installed: pyproject.toml constraints/cpu.txt
+$(BIN)/.installed: pyproject.toml constraints/cpu.txt constraints/test.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet $(TORCH_CONSTRAINTS) -e '.[test]'
+	$(BIN)/python -m pip install --quiet $(TORCH_CONSTRAINTS) -c constraints/test.txt -e '.[test]'
 	touch $@
 
 install: $(BIN)/.installed
