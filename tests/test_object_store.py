@@ -145,14 +145,14 @@ def test_a_corrupted_object_or_manifest_on_the_store_is_never_trusted(s3_and_loc
     assert sorted(store.ls(key)) == sorted([MANIFEST, redone.prefix])  # the older attempt is gone
 
 
-def campaign_on(root: str, env: dict[str, str], fault: str | None) -> None:
+def campaign_on(root: str, env: dict[str, str], fault: str | None, threads: int) -> None:
     """Create or resume run ``same`` in ``root`` and run its whole plan (in a child: its environment is set here,
     the forkserver having started before the test set it)."""
     import torch
 
     from solrl.storage.stage import FAULT_ENV
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)  # the reference run's: the trained weights depend on the GEMM's reduction order
     os.environ.update(env)
     os.environ.pop(FAULT_ENV, None)
     if fault is not None:
@@ -182,7 +182,9 @@ def test_a_kill_at_each_fault_point_of_explore_and_update_then_resume_equals_the
     context.set_forkserver_preload(CHILD_PRELOAD)
 
     def child(fault: str | None) -> int | None:
-        process = context.Process(target=campaign_on, args=(root, env, fault))
+        import torch
+
+        process = context.Process(target=campaign_on, args=(root, env, fault, torch.get_num_threads()))
         process.start()
         process.join(timeout=600)
         return process.exitcode
