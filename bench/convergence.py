@@ -271,17 +271,16 @@ def report(frame: pd.DataFrame, target: float, seconds: bool = True, idle: pd.Da
         lines.append(f"| {preset} | {len(rows)} | " + cells(rows) + f"{timed} | {reached} |")
     if not seconds:
         return "\n".join(lines)
+    return "\n".join(lines + split_table(frame, "Seconds per stage per iteration (mean):"))
+
+
+def split_table(frame: pd.DataFrame, title: str) -> list[str]:
+    """The markdown lines of ``stage_split(frame)`` under ``title``."""
     split = stage_split(frame)
-    lines += [
-        "",
-        "Seconds per stage per iteration (mean):",
-        "",
-        "| preset | " + " | ".join(split.columns) + " |",
-        "|" + " --- |" * (len(split.columns) + 1),
-    ]
+    lines = ["", title, "", "| preset | " + " | ".join(split.columns) + " |", "|" + " --- |" * (len(split.columns) + 1)]
     for preset, row in split.iterrows():
         lines.append(f"| {preset} | " + " | ".join(f"{v:.2f}" for v in row.to_numpy(np.float64)) + " |")
-    return "\n".join(lines)
+    return lines
 
 
 def _report_idle_timed(frame: pd.DataFrame, target: float, idle: pd.DataFrame) -> str:
@@ -315,17 +314,7 @@ def _report_idle_timed(frame: pd.DataFrame, target: float, idle: pd.DataFrame) -
             reached, timed = f"never (0/{len(reach)})", "never"
         spent = f"{timing.loc[preset, 'steady']:.2f}" if known else "n/a"
         lines.append(f"| {preset} | {len(rows)} | " + cells(rows) + f" | {reached} | {spent} | {timed} |")
-    split = stage_split(idle)
-    lines += [
-        "",
-        "Seconds per stage per iteration on the idle machine (mean):",
-        "",
-        "| preset | " + " | ".join(split.columns) + " |",
-        "|" + " --- |" * (len(split.columns) + 1),
-    ]
-    for preset, row in split.iterrows():
-        lines.append(f"| {preset} | " + " | ".join(f"{v:.2f}" for v in row.to_numpy(np.float64)) + " |")
-    return "\n".join(lines)
+    return "\n".join(lines + split_table(idle, "Seconds per stage per iteration on the idle machine (mean):"))
 
 
 def main() -> None:

@@ -38,7 +38,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from solrl.storage.mirror import remote
-from solrl.storage.store import Store
+from solrl.storage.store import Store, fsync_dir
 
 MANIFEST = "_MANIFEST.json"
 #: An attempt's prefix on an object store: ``a-`` and 12 hex digits (``commit``).
@@ -186,14 +186,6 @@ def _fsync_tree(root: Path) -> dict[str, FileEntry]:
     return entries
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_json_atomic(path: Path, data: Any) -> None:
     """Write JSON to ``path`` via a temporary file, fsync and ``os.replace``: readers see old or new, never half."""
     tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
@@ -206,7 +198,7 @@ def write_json_atomic(path: Path, data: Any) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def read_manifest(run_dir: Path, iteration: int, stage: str, *, verify: bool = False) -> StageManifest | None:

@@ -62,7 +62,8 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str | Path) -> None:
+    """fsync a folder, so a file created, renamed or removed in it survives a power loss."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -236,7 +237,7 @@ class Store:
             os.replace(tmp, path)
         finally:
             _unlink(tmp)
-        _fsync_dir(os.path.dirname(path))
+        fsync_dir(os.path.dirname(path))
         return _sha256(data)
 
     def create(self, key: str, data: bytes) -> str | None:
@@ -264,7 +265,7 @@ class Store:
             return None
         finally:
             _unlink(tmp)
-        _fsync_dir(os.path.dirname(path))
+        fsync_dir(os.path.dirname(path))
         return _sha256(data)
 
     def replace_if(self, key: str, data: bytes, tag: str) -> str | None:
