@@ -17,9 +17,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from solrl.config import ConfigError, RunConfig
-
-#: Object store of a local Ray instance: shard tasks return a flag, their outputs go to the run store.
-RAY_OBJECT_STORE_BYTES = 128 * 2**20
+from solrl.stages.cluster import ray_session, unreachable
 
 
 def shard_workers(cfg: RunConfig) -> int:
@@ -45,7 +43,6 @@ def shard_task_runner(cfg: RunConfig) -> Iterator[Any | None]:
         if kind == "dask":
             from prefect_dask import DaskTaskRunner
         else:
-            import ray
             from prefect_ray import RayTaskRunner
     except ImportError:
         raise ConfigError(
@@ -61,7 +58,9 @@ def shard_task_runner(cfg: RunConfig) -> Iterator[Any | None]:
             try:  # fail now, with the field named, rather than in the first sharded stage
                 Client(address, timeout="10s").close()
             except (OSError, TimeoutError) as exc:
-                raise ConfigError(_unreachable(address, "Dask scheduler", exc)) from None
+                raise ConfigError(
+                    unreachable(f"campaign.task_runner_address={address}", "Dask scheduler", exc)
+                ) from None
             yield DaskTaskRunner(address=address)
             return
         from dask.distributed import LocalCluster
@@ -72,30 +71,10 @@ def shard_task_runner(cfg: RunConfig) -> Iterator[Any | None]:
         ) as cluster:
             yield DaskTaskRunner(address=cluster.scheduler_address)
         return
-    # Ray: one instance for the campaign (the runner of each iteration finds it and does not own it).
-    if address:
-        try:
-            ray.init(address=address)
-        except (ConnectionError, OSError, TimeoutError) as exc:
-            raise ConfigError(_unreachable(address, "Ray cluster", exc)) from None
-    else:
-        ray.init(
-            num_cpus=workers,
-            include_dashboard=False,
-            object_store_memory=RAY_OBJECT_STORE_BYTES,
-            log_to_driver=False,
-        )
-    try:
+    # Ray: one connection for the campaign (the runner of each iteration finds it and does not own it), which a
+    # Ray Train update (train.launcher=ray) then shares.
+    with ray_session(cfg, workers):
         yield RayTaskRunner()
-    finally:
-        ray.shutdown()
-
-
-def _unreachable(address: str, what: str, exc: BaseException) -> str:
-    return (
-        f"campaign.task_runner_address={address}: cannot reach the {what} ({exc.__class__.__name__}: {exc}); "
-        f"start it, or set campaign.task_runner_address=null for a local one"
-    )
 
 
 @contextmanager

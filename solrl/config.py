@@ -185,6 +185,19 @@ class TrainConfig(_Section):
         "with one GPU per process, gloo on CPU). Layout only: the trained weights equal one process's within float "
         "tolerance.",
     )
+    launcher: Literal["torchrun", "ray"] = Field(
+        "torchrun",
+        description="How a multi-process update starts: torchrun = train.nproc_per_node processes on this node; "
+        "ray = train.workers workers of Ray Train's TorchTrainer on the nodes of a Ray cluster (the cluster at "
+        "campaign.task_runner_address when campaign.task_runner=ray, else RAY_ADDRESS, else a local one), gloo "
+        "on CPU, NCCL with one GPU per worker. Layout only.",
+    )
+    workers: int = Field(
+        1,
+        ge=1,
+        description="train.launcher=ray: Ray Train workers of the update (ScalingConfig.num_workers), each with one "
+        "GPU on CUDA, else one CPU. Layout only, as train.nproc_per_node.",
+    )
     timestep_fraction: float = Field(
         0.6, gt=0, le=1, description="Fraction of the sampling timesteps trained per step."
     )
@@ -403,6 +416,17 @@ class RunConfig(_Section):
                 f"{self.train.stat_buffer}, so the per-prompt statistics would never be used; set "
                 f"train.stat_min_count <= {self.train.stat_buffer}"
             )
+        tc = self.train
+        if tc.launcher == "torchrun" and tc.workers != 1:
+            raise ValueError(
+                f"train.workers={tc.workers} counts Ray Train workers (train.launcher=ray); torchrun starts "
+                f"train.nproc_per_node processes: set train.launcher=ray or train.nproc_per_node={tc.workers}"
+            )
+        if tc.launcher == "ray" and tc.nproc_per_node != 1:
+            raise ValueError(
+                f"train.nproc_per_node={tc.nproc_per_node} counts torchrun processes; Ray Train starts train.workers "
+                f"workers: set train.workers={tc.nproc_per_node} (and train.nproc_per_node=1)"
+            )
         k, pool = self.select.k, self.explore.pool_size
         if k % 2 and self.select.strategy == "best_worst":
             raise ValueError(f"select.k={k} must be even for best_worst (k/2 best + k/2 worst); set select.k={k + 1}")
@@ -511,6 +535,8 @@ LAYOUT_FIELDS = (
     ("campaign", "task_runner"),
     ("campaign", "task_runner_address"),
     ("train", "nproc_per_node"),
+    ("train", "launcher"),
+    ("train", "workers"),
     ("tracking", "report_every"),
 )
 

@@ -9,6 +9,7 @@ import torch
 
 from solrl.config import ConfigError, RunConfig, validate_config
 from solrl.registry import EXPLORE_BACKENDS, REWARDS
+from solrl.stages.cluster import check_ray_address
 from solrl.stages.models import model_family, resolve_device
 from solrl.stages.quant.availability import runnable_precisions
 from solrl.stages.rewards import reward_options
@@ -18,8 +19,8 @@ from solrl.storage.fingerprint import changed_files
 def check_runnable(cfg: RunConfig, prompts_sha256: str | None = None, weights: dict[str, str] | None = None) -> None:
     """Check, before any work, that this machine can run ``cfg``.
 
-    Checks: the model family's weights files; ``model.device`` (and a GPU per update process); the task runner's
-    Prefect integration; the explore backend on this hardware; the prompt
+    Checks: the model family's weights files; ``model.device`` (and a GPU per torchrun process); the task runner's
+    Prefect integration, Ray Train for ``train.launcher=ray``, and that a Ray cluster's address answers; the explore backend on this hardware; the prompt
     files readable and scorable by every configured reward; with ``prompts_sha256`` (a run's recorded digest),
     that the prompt files still hold the prompts the run's committed stages used; with ``weights`` (a run's
     recorded fingerprint, ``storage.fingerprint``), that the weights folder still holds the same files.
@@ -47,6 +48,9 @@ def check_runnable(cfg: RunConfig, prompts_sha256: str | None = None, weights: d
     runner = cfg.campaign.task_runner
     if runner != "local" and importlib.util.find_spec(f"prefect_{runner}") is None:
         raise ConfigError(f"campaign.task_runner={runner} needs prefect-{runner}: pip install 'solrl[distributed]'")
+    if cfg.train.launcher == "ray" and importlib.util.find_spec("ray") is None:
+        raise ConfigError("train.launcher=ray needs Ray Train: pip install 'solrl[distributed]'")
+    check_ray_address(cfg)
     reason = EXPLORE_BACKENDS.get(cfg.explore.precision).unavailable_reason()
     if reason is not None:
         raise ConfigError(

@@ -93,13 +93,14 @@ def update(
     stats: RewardStats | None,
     start: StartingPolicy | None,
 ) -> StageOutput:
-    """The update stage: ``train_policy`` in this process, or with ``train.nproc_per_node`` > 1 under torchrun
-    (``solrl.stages.distributed``), which writes the same outputs into ``out``.
+    """The update stage: ``train_policy`` in this process, or in several (``solrl.stages.distributed``), which
+    write the same outputs into ``out``: with ``train.nproc_per_node`` > 1 under torchrun, with
+    ``train.launcher=ray`` as Ray Train's ``train.workers`` workers.
 
     Raises:
-        FloatingPointError: a non-finite gradient norm. RuntimeError: a torchrun process failed.
+        FloatingPointError: a non-finite gradient norm. RuntimeError: a process of the update failed.
     """
-    if ctx.cfg.train.nproc_per_node > 1:
+    if ctx.cfg.train.nproc_per_node > 1 or ctx.cfg.train.launcher == "ray":
         from solrl.stages.distributed import launch_update
 
         return launch_update(ctx, out)

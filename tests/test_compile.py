@@ -24,8 +24,10 @@ pytestmark = pytest.mark.slow
 #: Inductor's fused kernels reorder float32 sums, nothing else.
 FP32_ATOL = 1e-4
 #: The same through the NVFP4-emulated copy: a reordered sum that lands an activation on the other side of an
-#: E2M1 rounding boundary moves that element by a whole E2M1 step, so a few elements differ by more.
-NVFP4_ATOL, NVFP4_MEAN_ATOL = 5e-2, 2e-3
+#: E2M1 rounding boundary moves that element by a whole E2M1 step, and the sample's later steps carry it on. So
+#: most samples agree as in float32 and a few differ by more: on a 2-core AVX-512 Xeon (2026-12-02) 7 of 8
+#: samples within 6e-7 and one at 0.118 (its mean 0.025); on an earlier Xeon every sample within 5e-2.
+NVFP4_FLIPPED_SAMPLES, NVFP4_FLIPPED_ATOL = 1, 0.25
 #: One bf16 block, compiled against eager: bf16 keeps 8 significant bits (relative step 2^-8).
 BF16_RTOL, BF16_ATOL = 2e-2, 2e-2
 
@@ -51,7 +53,9 @@ def test_compiled_sampling_equals_eager_and_new_weights_or_a_ragged_batch_do_not
         if precision == "bf16":
             assert diff.max() <= FP32_ATOL, diff.max()
         else:
-            assert diff.max() <= NVFP4_ATOL and diff.mean() <= NVFP4_MEAN_ATOL, (diff.max(), diff.mean())
+            per_sample = diff.flatten(1).max(1).values
+            assert int((per_sample > FP32_ATOL).sum()) <= NVFP4_FLIPPED_SAMPLES, per_sample
+            assert per_sample.max() <= NVFP4_FLIPPED_ATOL, per_sample
         assert not any("forward" in vars(b) for b in repeated_blocks(policy.transformer, ("SanaTransformerBlock",)))
 
     # An update (new rollout weights), the explore copy synced and re-quantized in place, other batch sizes:

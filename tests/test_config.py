@@ -30,12 +30,19 @@ def test_config_is_frozen_and_hash_changes_with_values():
         a.train.lr = 1.0  # type: ignore[misc]
     assert a.digest() != b.digest()
     assert a.digest() == load_config().digest()
+    layout = load_config(None, ["train.launcher=ray", "train.workers=2", "campaign.task_runner=ray"])
+    assert layout.digest() == a.digest()  # how the work is laid out is not part of the config hash
 
 
 @pytest.mark.parametrize(
     ("overrides", "match"),
     [
         (["select.k=7"], r"select.k=7 must be even.*set select.k=8"),
+        (["train.workers=2"], r"train.workers=2 counts Ray Train workers \(train.launcher=ray\)"),
+        (
+            ["train.launcher=ray", "train.nproc_per_node=2"],
+            r"train.nproc_per_node=2 counts torchrun processes.*set train.workers=2",
+        ),
         (["select.k=40"], r"select.k=40 exceeds explore.pool_size=32"),
         (["explore.precision=fp3"], r"explore.precision: unknown explore precision 'fp3'; registered: bf16, fp8,"),
         (["model.family=sdxl"], r"model.family: unknown model family 'sdxl'; registered: .*tiny-digits"),

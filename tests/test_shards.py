@@ -217,6 +217,47 @@ def test_a_dask_address_that_does_not_answer_is_one_line_naming_the_field(tmp_pa
         pass
 
 
+@pytest.mark.parametrize(
+    "sets, env, field",
+    [
+        (
+            ["campaign.shards=2", "campaign.task_runner=ray", "campaign.task_runner_address=127.0.0.1:9"],
+            {},
+            "campaign.task_runner_address=127.0.0.1:9",
+        ),
+        (
+            ["train.launcher=ray", "train.workers=2"],
+            {"RAY_ADDRESS": "ray://127.0.0.1:9"},
+            "RAY_ADDRESS=ray://127.0.0.1:9",
+        ),
+        (["train.launcher=ray"], {"RAY_ADDRESS": "no-port"}, "RAY_ADDRESS=no-port: not a Ray address"),
+    ],
+)
+def test_a_ray_address_that_does_not_answer_is_one_line_and_exit_2_before_any_work(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sets: list[str], env: dict[str, str], field: str
+):
+    import time
+
+    from typer.testing import CliRunner
+
+    from solrl.cli import app
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect"))
+    store = tmp_path / "runs"
+    args = ["run", "tiny-digits", "--set", f"storage.root={store}"]
+    for item in sets:
+        args += ["--set", item]
+    start = time.monotonic()
+    ran = CliRunner().invoke(app, args)
+    lines = [line for line in ran.stderr.splitlines() if line.strip()]
+    assert ran.exit_code == 2 and len(lines) == 1 and field in lines[0], ran.output
+    assert "not a Ray address" in lines[0] or "cannot reach the Ray cluster" in lines[0], lines
+    assert time.monotonic() - start < 10
+    assert not store.exists() and not (tmp_path / "prefect").exists()  # nothing written, no Prefect started
+
+
 def test_a_task_runner_whose_prefect_integration_is_missing_is_refused_before_any_work(tmp_path: Path, monkeypatch):
     import importlib.util
 
