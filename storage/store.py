@@ -375,7 +375,10 @@ class Store:
             bucket = self.root.split("/", 1)[0]
             return f"bucket {bucket!r} of {self.uri} does not exist at {endpoint}; create it or fix storage.root"
         if isinstance(exc, PermissionError) or "AccessDenied" in text or "InvalidAccessKeyId" in text:
-            return f"access denied to {self.uri} at {endpoint}; {CREDENTIAL_HINT} for a key that may write there"
+            return (
+                f"access denied to {self.uri} at {endpoint}: the key in use may not read and write there; give it "
+                f"that permission, or {CREDENTIAL_HINT} to name one that has it"
+            )
         return f"cannot use {self.uri} at {endpoint}: {name}: {text}"
 
 

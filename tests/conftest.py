@@ -25,6 +25,8 @@ XDIST = bool(os.environ.get("PYTEST_XDIST_WORKER"))
 if XDIST:
     os.environ["OMP_NUM_THREADS"] = "1"
 
+from collections.abc import Iterator  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -128,10 +130,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def s3_server():
-    """A real S3 server on loopback for the session: moto's server (``moto[server]``) in its own process, as an
-    S3-compatible store a team would run. Yields its endpoint URL; stopped at the end."""
+@contextmanager
+def moto_server(env: dict[str, str] | None = None) -> Iterator[str]:
+    """moto's S3 server (``moto[server]``) in its own process on a free loopback port, with ``env`` added to its
+    environment (``INITIAL_NO_AUTH_ACTION_COUNT=n``: IAM checks every request after the first n). Yields its
+    endpoint URL; stopped at the end."""
+    import os
     import subprocess
     import sys
     import time
@@ -142,6 +146,7 @@ def s3_server():
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        env={**os.environ, **(env or {})},
     )
     endpoint = f"http://127.0.0.1:{port}"
     try:
@@ -159,6 +164,14 @@ def s3_server():
     finally:
         server.terminate()
         server.wait(10)
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A real S3 server on loopback for the session: moto's server in its own process, as an S3-compatible store
+    a team would run. Yields its endpoint URL; stopped at the end."""
+    with moto_server() as endpoint:
+        yield endpoint
 
 
 @pytest.fixture

@@ -360,6 +360,31 @@ def test_an_object_store_that_cannot_be_used_is_one_line_and_exit_2_before_any_w
     assert "Contents" not in s3.list_objects_v2(Bucket=bucket)
 
 
+def test_a_key_the_store_denies_is_one_line_and_exit_2_before_any_work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A server that checks every request against IAM (moto's, after its first 3 requests: the bucket, a user, its
+    key): a user with no policy is denied, and ``solrl run`` says so in one line, with nothing written."""
+    import boto3
+    from conftest import moto_server
+
+    with moto_server({"INITIAL_NO_AUTH_ACTION_COUNT": "3"}) as endpoint:
+        admin = {"endpoint_url": endpoint, "aws_access_key_id": KEY_ID, "aws_secret_access_key": SECRET}
+        boto3.client("s3", region_name="us-east-1", **admin).create_bucket(Bucket="solrl-denied")
+        iam = boto3.client("iam", region_name="us-east-1", **admin)
+        iam.create_user(UserName="no-policy")
+        key = iam.create_access_key(UserName="no-policy")["AccessKey"]
+        env = _cli_env(endpoint, tmp_path)
+        env |= {"AWS_ACCESS_KEY_ID": key["AccessKeyId"], "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"]}
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        ran = runner.invoke(app, ["run", "tiny-digits", "--set", "storage.root=s3://solrl-denied/runs"])
+    lines = [line for line in ran.stderr.splitlines() if line.strip()]
+    assert ran.exit_code == 2 and len(lines) == 1, ran.output
+    assert lines[0].startswith("solrl: error: access denied to s3://solrl-denied/runs at http://127.0.0.1:"), lines
+    assert "the key in use may not read and write there" in lines[0]
+    assert key["SecretAccessKey"] not in ran.output
+    assert not (tmp_path / "cache" / "stores").exists() and not (tmp_path / "prefect").exists()
+
+
 def staged_outputs(run_dir: Path) -> dict[str, object]:
     """``test_faults.outputs`` of every committed stage, found through its manifest (checksums verified), keyed
     ``<iteration>/<stage>/<file>``: the same keys for a run of a local folder and of an object store."""
