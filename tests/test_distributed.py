@@ -109,6 +109,39 @@ def test_two_processes_train_what_one_trains_with_the_flow_grpo_loss_too(tmp_pat
     assert_same_update(out, stage_dir(run.run_dir, 1, "update"), lr=3e-3, steps=2)
 
 
+def test_two_ray_train_workers_train_what_one_process_trains_and_a_killed_worker_commits_nothing(
+    tmp_path: Path, monkeypatch
+):
+    """``train.launcher=ray`` on a local Ray instance started for the update (the 2-node test in
+    ``test_object_store`` runs it across nodes): the two workers' weights equal one process's within the torchrun
+    tolerances, and a worker killed after joining fails the stage, which commits nothing."""
+    cfg = tiny_config(tmp_path, *LAYOUT)
+    run = create_run(cfg, "ray-train")
+    ctx = StageContext(run.config, run.run_dir, run.run_id, 1, run.config_hash)
+    for stage in ("explore", "score_explore", "select", "regenerate", "score_regenerate", "update"):
+        run_stage(ctx, stage)
+    manifest = read_manifest(run.run_dir, 1, "update")
+    reference = tmp_path / "one-process"
+    shutil.copytree(stage_dir(run.run_dir, 1, "update"), reference)
+    shutil.rmtree(stage_dir(run.run_dir, 1, "update"))
+
+    ray_cfg = tiny_config(tmp_path, *LAYOUT, "train.launcher=ray", "train.workers=2")
+    two = StageContext(ray_cfg, run.run_dir, run.run_id, 1, run.config_hash)
+    monkeypatch.setenv("SOLRL_FAULT", "1:update:rank1")  # the local Ray instance's workers inherit it
+    with pytest.raises(RuntimeError, match="update on Ray Train \\(2 workers\\) failed"):
+        run_stage(two, "update")
+    assert read_manifest(run.run_dir, 1, "update") is None
+    assert not [p for p in (run.run_dir / "iter_000001").iterdir() if ".tmp-" in p.name]
+    monkeypatch.delenv("SOLRL_FAULT")
+    trained, skipped = run_stage(two, "update")
+    assert not skipped and trained.inputs_hash == manifest.inputs_hash
+    assert len(trained.info["nodes"]) == 2 and all(n.startswith("ray:") for n in trained.info["nodes"])
+    assert (
+        trained.metrics["train/global_step"] == 2 and not (stage_dir(run.run_dir, 1, "update") / OUTPUT_FILE).exists()
+    )
+    assert_same_update(stage_dir(run.run_dir, 1, "update"), reference)
+
+
 def test_the_torchrun_processes_die_with_the_stage_that_launched_them(tmp_path: Path):
     """SIGKILL of the process running the update (a killed solrl, a lost Prefect worker): torchrun stops, and
     stops its workers; nothing keeps training into a dead commit. (Two things stop it: the kernel's SIGTERM,
