@@ -231,6 +231,22 @@ def read_manifest(run_dir: Path, iteration: int, stage: str, *, verify: bool = F
     return manifest
 
 
+def committed_key(run_dir: Path, iteration: int, stage: str) -> tuple[Store, str]:
+    """Where the committed files of a stage lie in the run's store, for readers that open them in place (pyarrow,
+    zarr-python, xarray; ``Store.arrow_filesystem``, ``Store.zarr_store``): the store and the key of the folder
+    the stage's manifest names (its attempt prefix on an object store). Follows the manifest, never a listing.
+
+    Raises:
+        StageNotCommitted: the stage has no valid manifest.
+    """
+    manifest = read_manifest(run_dir, iteration, stage)
+    if manifest is None:
+        raise StageNotCommitted(f"iteration {iteration} stage {stage!r} has no valid manifest in {run_dir}")
+    store, run_key = remote(run_dir) or (Store.open(Path(run_dir).parent), Path(run_dir).name)
+    folder = stage_dir(Path(run_key), iteration, stage) / manifest.prefix
+    return store, folder.as_posix()
+
+
 def _stage_key(run_key: str, run_dir: Path, directory: Path) -> str:
     return f"{run_key}/{directory.relative_to(run_dir).as_posix()}"
 

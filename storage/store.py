@@ -145,6 +145,39 @@ class Store:
         endpoint = getattr(self.fs, "endpoint_url", None)
         return f"{self.uri} (endpoint {endpoint})" if endpoint else self.uri
 
+    # Engines reading in place ---------------------------------------------------------------------------------
+
+    def arrow_filesystem(self) -> Any:
+        """A ``pyarrow.fs`` filesystem on this store, for ``pyarrow.parquet.read_table(store.path(key),
+        filesystem=...)``: pyarrow's own ``S3FileSystem`` with the endpoint of ``s3_endpoint`` passed on (it reads
+        the AWS credentials and region itself, but not ``AWS_ENDPOINT_URL``: apache/arrow #49643), else
+        fsspec's filesystem wrapped for pyarrow (local folders, ``gs://``, ``az://``).
+        """
+        import pyarrow.fs
+
+        if self.uri.startswith("s3://"):
+            endpoint = s3_endpoint()
+            options: dict[str, Any] = {}
+            if endpoint is not None:
+                parts = urlsplit(endpoint)
+                options = {"endpoint_override": parts.netloc or endpoint, "scheme": parts.scheme or "https"}
+            region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+            return pyarrow.fs.S3FileSystem(region=region, **options) if region else pyarrow.fs.S3FileSystem(**options)
+        return pyarrow.fs.PyFileSystem(pyarrow.fs.FSSpecHandler(self.fs))
+
+    def zarr_store(self, key: str) -> Any:
+        """A read-only zarr-python store on the Zarr group at ``key``: ``zarr.storage.LocalStore`` for a folder,
+        else ``zarr.storage.FsspecStore`` on this store's protocol (the endpoint passed on, the listing cache
+        off), for ``zarr.open_group(...)`` or ``xarray.open_zarr(...)``."""
+        import zarr.storage
+
+        if self.local:
+            return zarr.storage.LocalStore(self.path(key), read_only=True)
+        options: dict[str, Any] = {"use_listings_cache": False}
+        if self.uri.startswith("s3://") and (endpoint := s3_endpoint()):
+            options["endpoint_url"] = endpoint
+        return zarr.storage.FsspecStore.from_url(self.url(key), storage_options=options, read_only=True)
+
     # Reads ------------------------------------------------------------------------------------------------
 
     def read_bytes(self, key: str) -> bytes:

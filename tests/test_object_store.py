@@ -119,6 +119,33 @@ def test_the_commands_work_on_the_s3_run(s3_and_local, tmp_path: Path):
     assert (tmp_path / "lora" / "pytorch_lora_weights.safetensors").is_file()
 
 
+def test_pyarrow_and_zarr_read_the_committed_stages_in_place_on_the_store(s3_and_local):
+    """A reader with no mirror, as an auditor's notebook: pyarrow's own S3 filesystem (the endpoint passed on)
+    and zarr-python's fsspec store open the committed attempt the manifest names, equal to the local run."""
+    import numpy as np
+    import pandas as pd
+    import pyarrow.fs
+    import pyarrow.parquet as pq
+    import zarr
+
+    from solrl.storage.stage import committed_key
+
+    on_s3, local, _, _ = s3_and_local
+    store, key = committed_key(on_s3, 1, "score_explore")
+    filesystem = store.arrow_filesystem()
+    assert isinstance(filesystem, pyarrow.fs.S3FileSystem) and "/a-" in key
+    got = pq.read_table(store.path(f"{key}/rewards.parquet"), filesystem=filesystem).to_pandas()
+    pd.testing.assert_frame_equal(got, pd.read_parquet(local / "iter_000001/score_explore/rewards.parquet"))
+    store, key = committed_key(on_s3, 1, "explore")
+    pool = zarr.open_group(store.zarr_store(f"{key}/candidates.zarr"), mode="r")
+    expected = zarr.open_group(str(local / "iter_000001/explore/candidates.zarr"), mode="r")
+    assert sorted(pool.array_keys()) == sorted(expected.array_keys())
+    for name in expected.array_keys():
+        np.testing.assert_array_equal(pool[name][...], expected[name][...])
+    local_store, local_key = committed_key(local, 1, "explore")  # a local folder: the same calls
+    assert zarr.open_group(local_store.zarr_store(f"{local_key}/candidates.zarr"), mode="r")["seeds"].shape
+
+
 def test_a_mirror_that_lost_or_changed_files_is_refetched_from_the_store(s3_and_local):
     on_s3, _, _, _ = s3_and_local
     folder, manifest = require(on_s3, 1, "select")
