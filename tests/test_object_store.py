@@ -126,6 +126,7 @@ def test_pyarrow_and_zarr_read_the_committed_stages_in_place_on_the_store(s3_and
     import pandas as pd
     import pyarrow.fs
     import pyarrow.parquet as pq
+    import xarray as xr
     import zarr
 
     from solrl.storage.stage import committed_key
@@ -142,6 +143,7 @@ def test_pyarrow_and_zarr_read_the_committed_stages_in_place_on_the_store(s3_and
     assert sorted(pool.array_keys()) == sorted(expected.array_keys())
     for name in expected.array_keys():
         np.testing.assert_array_equal(pool[name][...], expected[name][...])
+    assert xr.open_zarr(store.zarr_store(f"{key}/candidates.zarr"))["images"].shape == expected["images"].shape
     local_store, local_key = committed_key(local, 1, "explore")  # a local folder: the same calls
     assert zarr.open_group(local_store.zarr_store(f"{local_key}/candidates.zarr"), mode="r")["seeds"].shape
 
