@@ -664,7 +664,7 @@ def reward_server(
     from solrl.registry import REWARDS
     from solrl.stages.models import resolve_device
     from solrl.stages.rewards import build_reward
-    from solrl.stages.rewards.remote import create_app
+    from solrl.stages.rewards.remote import TOKEN_ENV, create_app, reward_token
 
     try:
         parsed = yaml.safe_load(options) or {}
@@ -679,8 +679,16 @@ def reward_server(
         _fail(str(exc))
     import uvicorn
 
-    typer.echo(f"serving reward {name} on http://{host}:{port} (POST /score, GET /health)", err=True)
-    uvicorn.run(create_app(reward), host=host, port=port, log_level="warning")
+    token = reward_token()
+    access = f"bearer token of {TOKEN_ENV} required" if token else f"no token: set {TOKEN_ENV} to require one"
+    typer.echo(f"serving reward {name} on http://{host}:{port} (POST /score, GET /health; {access})", err=True)
+    if token is None and host not in ("127.0.0.1", "localhost", "::1"):
+        typer.echo(
+            f"solrl: warning: --host {host} serves beyond loopback and {TOKEN_ENV} is unset: anyone who reaches "
+            f"the port may score",
+            err=True,
+        )
+    uvicorn.run(create_app(reward, token), host=host, port=port, log_level="warning")
 
 
 @app.command("pretrain-tiny-digits")

@@ -19,9 +19,10 @@ from solrl.storage.fingerprint import changed_files
 def check_runnable(cfg: RunConfig, prompts_sha256: str | None = None, weights: dict[str, str] | None = None) -> None:
     """Check, before any work, that this machine can run ``cfg``.
 
-    Checks: the model family's weights files; ``model.device`` (and a GPU per torchrun process); the task runner's
-    Prefect integration, Ray Train for ``train.launcher=ray``, and that a Ray cluster's address answers; the explore backend on this hardware; the prompt
-    files readable and scorable by every configured reward; with ``prompts_sha256`` (a run's recorded digest),
+    Checks: the model family's weights files; ``model.device`` (and a GPU per torchrun process); the task
+    runner's Prefect integration, Ray Train for ``train.launcher=ray``, and that a Ray cluster's address
+    answers; the explore backend on this hardware; the prompt files readable and scorable by every configured
+    reward; with ``prompts_sha256`` (a run's recorded digest),
     that the prompt files still hold the prompts the run's committed stages used; with ``weights`` (a run's
     recorded fingerprint, ``storage.fingerprint``), that the weights folder still holds the same files.
 

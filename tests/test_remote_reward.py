@@ -28,19 +28,25 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(name: str, port: int) -> subprocess.Popen:
-    """``solrl reward-server NAME`` on loopback; returns once ``/health`` answers (at most 60 s)."""
+def start_server(name: str, port: int, token: str | None = None) -> subprocess.Popen:
+    """``solrl reward-server NAME`` on loopback (requiring bearer ``token`` when given, from its environment);
+    returns once ``/health`` answers (at most 60 s)."""
+    env = {k: v for k, v in os.environ.items() if k != "SOLRL_REWARD_TOKEN"} | (
+        {"SOLRL_REWARD_TOKEN": token} if token else {}
+    )
     proc = subprocess.Popen(
         [*SOLRL, "reward-server", name, "--port", str(port), "--device", "cpu"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         start_new_session=True,
+        env=env,
     )
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
     deadline = time.time() + 60
     while time.time() < deadline:
         assert proc.poll() is None, proc.stderr.read().decode()[-2000:] if proc.stderr else "server exited"
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).json()["reward"] == name:
+            if httpx.get(f"http://127.0.0.1:{port}/health", headers=headers, timeout=1).json()["reward"] == name:
                 return proc
         except httpx.HTTPError:
             time.sleep(0.2)
@@ -87,6 +93,37 @@ def test_a_server_that_does_not_answer_is_an_error_never_a_score():
         remote(images, ["a", "b"])
     with pytest.raises(RewardError, match=f"no reward server answers at {url}"):
         remote.check_server()
+
+
+def test_a_server_with_a_token_refuses_requests_without_it_and_scores_for_a_client_that_has_it(monkeypatch):
+    """``SOLRL_REWARD_TOKEN`` in the server's environment: no token, or another one, is HTTP 401 on every
+    endpoint; a client whose environment holds the token scores as a local reward does."""
+    token = "solrl-reward-token-" + os.urandom(8).hex()
+    port = free_port()
+    proc = start_server("jpeg_compressibility", port, token)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        images = np.random.default_rng(1).integers(0, 256, (3, 16, 16, 3), dtype=np.uint8)
+        body = {"prompts": ["a", "b", "c"], "metadata": None, "shape": list(images.shape)}
+        body["images"] = __import__("base64").b64encode(images.tobytes()).decode()
+        for headers in ({}, {"Authorization": "Bearer not-the-token"}, {"Authorization": token}):
+            assert httpx.get(f"{url}/health", headers=headers).status_code == 401, headers
+            refused = httpx.post(f"{url}/score", json=body, headers=headers)
+            assert refused.status_code == 401 and token not in refused.text, headers
+        monkeypatch.delenv("SOLRL_REWARD_TOKEN", raising=False)
+        without = build_reward("jpeg_compressibility", options={"url": url, "retries": 2})
+        with pytest.raises(RewardError, match="HTTP 401.*set SOLRL_REWARD_TOKEN"):
+            without(images, body["prompts"])
+        with pytest.raises(RewardError, match="refused this client"):
+            without.check_server()
+        monkeypatch.setenv("SOLRL_REWARD_TOKEN", token)
+        remote = build_reward("jpeg_compressibility", options={"url": url})
+        remote.check_server()
+        np.testing.assert_array_equal(
+            remote(images, body["prompts"]), build_reward("jpeg_compressibility")(images, body["prompts"])
+        )
+    finally:
+        stop(proc)
 
 
 @pytest.mark.slow

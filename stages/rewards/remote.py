@@ -6,6 +6,10 @@ trainer's. ``solrl reward-server NAME`` serves reward ``NAME`` (``create_app``: 
 ``RemoteReward``: the same batches, each request retried with exponential back-off, a clear error when the
 server stays down or times out, and never a made-up score for a failed request.
 
+Who may score: with ``SOLRL_REWARD_TOKEN`` set in the server's environment, every request must carry it as a
+bearer token (``Authorization: Bearer <token>``) or is refused with HTTP 401; the client sends the token of its
+own environment. The token only ever comes from the environment, never from a config or the command line.
+
 Wire format (JSON): ``{"prompts": [...], "metadata": [...] | null, "shape": [B, H, W, 3], "images": base64 of
 the raw uint8 bytes}`` -> ``{"scores": [B floats]}``; errors are HTTP 4xx/5xx with ``{"detail": "..."}``.
 """
@@ -13,6 +17,8 @@ the raw uint8 bytes}`` -> ``{"scores": [B floats]}``; errors are HTTP 4xx/5xx wi
 from __future__ import annotations
 
 import base64
+import os
+import secrets
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -24,6 +30,13 @@ from solrl.stages.rewards.base import Metadata, Reward, RewardError, RewardOptio
 
 #: Seconds before the first retry; doubled after each failed attempt.
 BACKOFF_SECONDS = 0.5
+#: The bearer token a reward server requires and its clients send (from the environment only).
+TOKEN_ENV = "SOLRL_REWARD_TOKEN"
+
+
+def reward_token() -> str | None:
+    """The bearer token of this environment (``SOLRL_REWARD_TOKEN``), or None when unset or empty."""
+    return os.environ.get(TOKEN_ENV) or None
 
 
 class ScoreRequest(BaseModel):
@@ -47,11 +60,26 @@ def decode_images(shape: Sequence[int], data: str) -> np.ndarray:
     return np.frombuffer(raw, dtype=np.uint8).reshape(shape)
 
 
-def create_app(reward: Reward):  # -> fastapi.FastAPI
-    """A FastAPI app serving ``reward``: ``POST /score`` and ``GET /health``."""
-    from fastapi import FastAPI, HTTPException
+def create_app(reward: Reward, token: str | None = None):  # -> fastapi.FastAPI
+    """A FastAPI app serving ``reward``: ``POST /score`` and ``GET /health``; with ``token``, a request without
+    ``Authorization: Bearer <token>`` is refused with HTTP 401 (compared in constant time)."""
+    from fastapi import Depends, FastAPI, HTTPException
+    from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-    app = FastAPI(title=f"solrl reward server: {reward.name}")
+    bearer = HTTPBearer(auto_error=False)
+
+    def authorised(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
+        if token is None:
+            return
+        given = credentials.credentials if credentials is not None else ""
+        if not secrets.compare_digest(given.encode(), token.encode()):
+            raise HTTPException(
+                status_code=401,
+                detail=f"this reward server needs the bearer token of {TOKEN_ENV}",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+
+    app = FastAPI(title=f"solrl reward server: {reward.name}", dependencies=[Depends(authorised)])
 
     @app.get("/health")
     def health() -> dict[str, Any]:
@@ -85,7 +113,9 @@ class RemoteReward(Reward):
         super().__init__(options, "cpu")
         self.name = name  # type: ignore[misc]  # the served reward's name, not a class constant here
         self.url = str(options.url).rstrip("/")
-        self.client = httpx.Client(timeout=options.timeout)
+        token = reward_token()
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.client = httpx.Client(timeout=options.timeout, headers=headers)
 
     def _post(self, payload: dict[str, Any]) -> list[float]:
         import httpx
@@ -100,6 +130,8 @@ class RemoteReward(Reward):
                 if response.status_code < 400:
                     return response.json()["scores"]
                 cause = f"HTTP {response.status_code}: {response.text[:300]}"
+                if response.status_code == 401:
+                    cause += f"; set {TOKEN_ENV} to the server's token"
                 if response.status_code < 500:
                     break
             if attempt < attempts - 1:
@@ -129,11 +161,17 @@ class RemoteReward(Reward):
         import httpx
 
         try:
-            served = self.client.get(f"{self.url}/health").json().get("reward")
+            answer = self.client.get(f"{self.url}/health")
+            served = None if answer.status_code == 401 else answer.json().get("reward")
         except (httpx.HTTPError, ValueError) as exc:
             raise RewardError(
                 f"reward {self.name}: no reward server answers at {self.url} ({exc.__class__.__name__}); "
                 f"start it with `solrl reward-server {self.name}`"
             ) from None
+        if answer.status_code == 401:
+            raise RewardError(
+                f"reward {self.name}: the reward server at {self.url} refused this client (HTTP 401); set "
+                f"{TOKEN_ENV} to the server's token"
+            )
         if served != self.name:
             raise RewardError(f"reward {self.name}: the server at {self.url} serves {served!r}, not {self.name!r}")
