@@ -97,6 +97,7 @@ def ray_session(cfg: RunConfig, num_cpus: int) -> Iterator[None]:
             ray.init(address=address, log_to_driver=False)
         else:
             ray.init(
+                address="local",  # a new instance: never a cluster that another process started on this machine
                 num_cpus=num_cpus,
                 include_dashboard=False,
                 object_store_memory=RAY_OBJECT_STORE_BYTES,

@@ -60,6 +60,18 @@ def assert_close_trained(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor],
     assert loose < 1e-3 * total, f"{loose} of {total} weights differ by more than 1e-6"
 
 
+def killed_rank_then_resumed(ctx: StageContext, monkeypatch, failure: str):
+    """Process 2 of 2 of ``ctx``'s iteration-1 update killed after it joined: the stage fails with ``failure``,
+    commits nothing and leaves no temporary folder; then the update run again. Returns ``run_stage``'s answer."""
+    monkeypatch.setenv("SOLRL_FAULT", "1:update:rank1")
+    with pytest.raises(RuntimeError, match=failure):
+        run_stage(ctx, "update")
+    assert read_manifest(ctx.run_dir, 1, "update") is None
+    assert not [p for p in (ctx.run_dir / "iter_000001").iterdir() if ".tmp-" in p.name]
+    monkeypatch.delenv("SOLRL_FAULT")
+    return run_stage(ctx, "update")
+
+
 def test_two_processes_on_gloo_train_what_one_process_trains_and_a_killed_process_commits_nothing(
     tmp_path: Path, monkeypatch
 ):
@@ -84,13 +96,7 @@ def test_two_processes_on_gloo_train_what_one_process_trains_and_a_killed_proces
     # temporary folder; the update run again gives the same weights.
     manifest = read_manifest(run.run_dir, 1, "update")
     shutil.rmtree(one)
-    monkeypatch.setenv("SOLRL_FAULT", "1:update:rank1")
-    with pytest.raises(RuntimeError, match="update under torchrun \\(2 processes\\) failed"):
-        run_stage(two, "update")
-    assert read_manifest(run.run_dir, 1, "update") is None
-    assert not [p for p in (run.run_dir / "iter_000001").iterdir() if ".tmp-" in p.name]
-    monkeypatch.delenv("SOLRL_FAULT")
-    resumed, skipped = run_stage(two, "update")
+    resumed, skipped = killed_rank_then_resumed(two, monkeypatch, "update under torchrun \\(2 processes\\) failed")
     assert not skipped and resumed.inputs_hash == manifest.inputs_hash
     assert_same_update(one, reference)
 
@@ -114,7 +120,19 @@ def test_two_ray_train_workers_train_what_one_process_trains_and_a_killed_worker
 ):
     """``train.launcher=ray`` on a local Ray instance started for the update (the 2-node test in
     ``test_object_store`` runs it across nodes): the two workers' weights equal one process's within the torchrun
-    tolerances, and a worker killed after joining fails the stage, which commits nothing."""
+    tolerances, and a worker killed after joining fails the stage, which commits nothing. Another Ray cluster
+    runs on this machine meanwhile, as a ``ray start`` would: without ``address="local"``, ``ray.init`` joins the
+    cluster it last started (``/tmp/ray/ray_current_cluster``) and refuses the local instance's CPU count."""
+    from ray.cluster_utils import Cluster
+
+    other = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    try:
+        _ray_train_update_then_kill(tmp_path, monkeypatch)
+    finally:
+        other.shutdown()
+
+
+def _ray_train_update_then_kill(tmp_path: Path, monkeypatch) -> None:
     cfg = tiny_config(tmp_path, *LAYOUT)
     run = create_run(cfg, "ray-train")
     ctx = StageContext(run.config, run.run_dir, run.run_id, 1, run.config_hash)
@@ -127,13 +145,8 @@ def test_two_ray_train_workers_train_what_one_process_trains_and_a_killed_worker
 
     ray_cfg = tiny_config(tmp_path, *LAYOUT, "train.launcher=ray", "train.workers=2")
     two = StageContext(ray_cfg, run.run_dir, run.run_id, 1, run.config_hash)
-    monkeypatch.setenv("SOLRL_FAULT", "1:update:rank1")  # the local Ray instance's workers inherit it
-    with pytest.raises(RuntimeError, match="update on Ray Train \\(2 workers\\) failed"):
-        run_stage(two, "update")
-    assert read_manifest(run.run_dir, 1, "update") is None
-    assert not [p for p in (run.run_dir / "iter_000001").iterdir() if ".tmp-" in p.name]
-    monkeypatch.delenv("SOLRL_FAULT")
-    trained, skipped = run_stage(two, "update")
+    # the local Ray instance's workers inherit the fault from this process's environment
+    trained, skipped = killed_rank_then_resumed(two, monkeypatch, "update on Ray Train \\(2 workers\\) failed")
     assert not skipped and trained.inputs_hash == manifest.inputs_hash
     assert len(trained.info["nodes"]) == 2 and all(n.startswith("ray:") for n in trained.info["nodes"])
     assert (
