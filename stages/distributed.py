@@ -34,7 +34,7 @@ from pathlib import Path
 
 from solrl.processes import die_with_parent
 from solrl.stages.context import StageContext, release_policies
-from solrl.storage.mirror import remote
+from solrl.storage.mirror import run_store
 from solrl.storage.stage import StageOutput
 
 #: The first process's metrics and info, read and removed by the launcher (never committed).
@@ -107,8 +107,8 @@ def _launch_ray(ctx: StageContext, out: Path) -> StageOutput:
     from solrl.stages.cluster import ray_session
 
     workers, cuda = ctx.cfg.train.workers, ctx.device.type == "cuda"
-    on_store = remote(ctx.run_dir)
-    store = on_store[0].uri if on_store is not None else str(ctx.run_dir.parent)
+    run_on = run_store(ctx.run_dir)[0]
+    store = run_on.root if run_on.local else run_on.uri  # what every worker's open_run takes
     with ray_session(ctx.cfg, workers), tempfile.TemporaryDirectory(prefix="solrl-ray-train-") as storage:
         trainer = TorchTrainer(
             _ray_worker,

@@ -63,6 +63,12 @@ def remote(run_dir: Path) -> tuple[Store, str] | None:
     return None if store is None else (store, Path(run_dir).name)
 
 
+def run_store(run_dir: Path) -> tuple[Store, str]:
+    """The store a run folder belongs to and the run's key in it: the object store of a mirror (``remote``), else
+    the local store that holds the folder."""
+    return remote(run_dir) or (Store.open(Path(run_dir).parent), Path(run_dir).name)
+
+
 def publish_folder(run_dir: Path, relative: str) -> None:
     """Copy ``<run_dir>/<relative>`` (a folder no stage commits, such as the HTML report) to the object store a
     mirrored run belongs to, file by file; nothing for a run of a local store.

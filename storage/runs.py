@@ -15,7 +15,7 @@ from solrl import __version__
 from solrl.config import ConfigError, RunConfig, config_digest, validate_config
 from solrl.storage import stage
 from solrl.storage.lease import DEFAULT_TTL, LEASE, Lease, LeaseHeld
-from solrl.storage.mirror import remote, run_folder
+from solrl.storage.mirror import run_folder, run_store
 from solrl.storage.stage import MANIFEST, write_json_atomic
 from solrl.storage.store import Store, StoreError
 
@@ -246,7 +246,7 @@ def run_lock(run_dir: Path, ttl: float = DEFAULT_TTL) -> Iterator[None]:
         ConfigError: another live process holds the run.
     """
     run_dir = Path(run_dir)
-    store, run_key = remote(run_dir) or (Store.open(run_dir.parent), run_dir.name)
+    store, run_key = run_store(run_dir)
     lease = Lease(store, f"{run_key}/{LEASE}", ttl)
     try:
         lease.acquire()

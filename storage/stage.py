@@ -37,7 +37,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from solrl.storage.mirror import remote
+from solrl.storage.mirror import remote, run_store
 from solrl.storage.store import Store, fsync_dir
 
 MANIFEST = "_MANIFEST.json"
@@ -242,7 +242,7 @@ def committed_key(run_dir: Path, iteration: int, stage: str) -> tuple[Store, str
     manifest = read_manifest(run_dir, iteration, stage)
     if manifest is None:
         raise StageNotCommitted(f"iteration {iteration} stage {stage!r} has no valid manifest in {run_dir}")
-    store, run_key = remote(run_dir) or (Store.open(Path(run_dir).parent), Path(run_dir).name)
+    store, run_key = run_store(run_dir)
     folder = stage_dir(Path(run_key), iteration, stage) / manifest.prefix
     return store, folder.as_posix()
 
