@@ -192,3 +192,59 @@ def s3_env(s3_server: str, monkeypatch: pytest.MonkeyPatch) -> str:
     bucket = f"solrl-{uuid.uuid4().hex[:12]}"
     boto3.client("s3", endpoint_url=s3_server).create_bucket(Bucket=bucket)
     return f"s3://{bucket}"
+
+
+def _postgres_bin(program: str) -> str:
+    """Debian's ``postgresql`` server program ``program`` (initdb, pg_ctl): on PATH, else the newest
+    ``/usr/lib/postgresql/<major>/bin``."""
+    import shutil
+
+    if found := shutil.which(program):
+        return found
+    versions = sorted(Path("/usr/lib/postgresql").glob(f"*/bin/{program}"), key=lambda p: int(p.parts[-3]))
+    if not versions:
+        raise RuntimeError(f"PostgreSQL's {program} is not installed (Debian: apt-get install postgresql)")
+    return str(versions[-1])
+
+
+@contextmanager
+def postgres_server(databases: tuple[str, ...], max_connections: int = 20) -> Iterator[dict[str, str]]:
+    """A throwaway PostgreSQL cluster on loopback: ``initdb`` and ``pg_ctl`` of Debian's ``postgresql``, as the
+    ``postgres`` user when the tests run as root (the server refuses root), password authentication
+    (scram-sha-256) for role ``solrl`` with a random password, ``max_connections`` as given, and ``databases``
+    created. Yields ``{"host", "port", "user", "password", "log"}``; the cluster is stopped and removed at the end."""
+    import os
+    import secrets
+    import shutil
+    import subprocess
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix="solrl-pg-"))
+    root.chmod(0o755)
+    data, log, pwfile = root / "data", root / "server.log", root / "pw"
+    password = secrets.token_hex(16)
+    pwfile.write_text(password)
+    as_postgres: list[str] = []
+    if os.geteuid() == 0:  # initdb and postgres refuse to run as root
+        as_postgres = ["runuser", "-u", "postgres", "--"]
+        shutil.chown(root, "postgres")
+        shutil.chown(pwfile, "postgres")
+    port = free_port()
+    run = {"check": True, "capture_output": True, "text": True, "timeout": 120}
+    initdb = [_postgres_bin("initdb"), "-D", str(data), "-U", "solrl", "--pwfile", str(pwfile)]
+    subprocess.run([*as_postgres, *initdb, "--auth=scram-sha-256", "-E", "UTF8", "--no-sync"], **run)
+    pwfile.unlink()
+    options = f"-c listen_addresses=127.0.0.1 -c port={port} -c max_connections={max_connections}"
+    options += f" -c unix_socket_directories={root} -c fsync=off"
+    pg_ctl = [*as_postgres, _postgres_bin("pg_ctl"), "-D", str(data)]
+    subprocess.run([*pg_ctl, "-l", str(log), "-o", options, "-w", "-t", "60", "start"], **run)
+    server = {"host": "127.0.0.1", "port": str(port), "user": "solrl", "password": password, "log": str(log)}
+    try:
+        env = {**os.environ, "PGPASSWORD": password}
+        for name in databases:
+            createdb = [_postgres_bin("createdb"), "-h", "127.0.0.1", "-p", str(port), "-U", "solrl", name]
+            subprocess.run(createdb, env=env, **run)
+        yield server
+    finally:
+        subprocess.run([*pg_ctl, "-m", "fast", "-w", "stop"], capture_output=True, timeout=60)
+        shutil.rmtree(root, ignore_errors=True)
