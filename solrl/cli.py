@@ -55,12 +55,21 @@ class Terminated(KeyboardInterrupt):
 
 
 _terminated = False
+_interrupted = False
 
 
 def _raise_terminated(signum: int, frame: object) -> None:
     global _terminated
     _terminated = True
     raise Terminated()
+
+
+def _raise_interrupted(signum: int, frame: object) -> None:
+    """Ctrl-C: Python's KeyboardInterrupt, remembered, since one that lands while Prefect sets up a task run
+    surfaces as Prefect's own ``ValueError: Task run is not set`` (its crash handler fails in turn)."""
+    global _interrupted
+    _interrupted = True
+    raise KeyboardInterrupt()
 
 
 @contextlib.contextmanager
@@ -99,6 +108,8 @@ def _launch(store: str, run_id: str) -> None:
 
     enable_live(sys.stderr.isatty())
     signal.signal(signal.SIGTERM, _raise_terminated)  # also for callers without _stoppable
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where the shell has it ignored
+        signal.signal(signal.SIGINT, _raise_interrupted)
     resume = f"continue with `solrl resume {run_id} --store {store}`"
     try:
         with prefect_api():
@@ -112,6 +123,8 @@ def _launch(store: str, run_id: str) -> None:
     except Exception as exc:  # the flow already logged the traceback
         if _terminated:  # a SIGTERM that a library wrapped in its own exception
             _fail(f"terminated (SIGTERM); {resume}", 143)
+        if _interrupted:  # a Ctrl-C that a library wrapped in its own exception
+            _fail(f"interrupted; {resume}", 130)
         _fail(
             f"{exc.__class__.__name__}: {exc}\n  committed stages are kept; continue with "
             f"`solrl resume {run_id} --store {store}`",

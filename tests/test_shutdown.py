@@ -137,3 +137,35 @@ def test_sigterm_while_the_run_is_being_set_up_exits_143_with_the_resume_line(tm
     assert proc.returncode == 143, output[-3000:]
     assert "terminated (SIGTERM); continue with `solrl resume early --store" in output
     assert "Traceback" not in output
+
+
+def test_a_ctrl_c_that_prefect_wraps_in_its_own_error_still_exits_130(monkeypatch: pytest.MonkeyPatch, capsys):
+    """The fresh-clone run of 2026-12-03: Ctrl-C landed while Prefect set up a task run, its crash handler failed
+    in turn, and solrl saw ``ValueError: Task run is not set`` and exited 1. The campaign below is interrupted the
+    same way; solrl still says interrupted, exit 130, with the resume line."""
+    import contextlib
+
+    import typer
+
+    import solrl.cli as cli
+    import solrl.flows.server
+    import solrl.flows.sol_rl
+
+    def campaign(store: str, run_id: str) -> None:
+        try:
+            signal.raise_signal(signal.SIGINT)
+        except KeyboardInterrupt:
+            raise ValueError("Task run is not set") from None  # what Prefect's handle_crash raises then
+
+    monkeypatch.setattr(solrl.flows.sol_rl, "campaign", campaign)
+    monkeypatch.setattr(solrl.flows.server, "prefect_api", contextlib.nullcontext)
+    monkeypatch.setattr(cli, "_interrupted", False)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(typer.Exit) as exited:
+            cli._launch("/tmp/store", "wrapped")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    assert exited.value.exit_code == 130
+    assert "interrupted; continue with `solrl resume wrapped --store /tmp/store`" in capsys.readouterr().err
