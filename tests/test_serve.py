@@ -2,7 +2,8 @@
 API with parameters runs to completion, named and tagged so that a list tells campaigns apart, with each
 iteration's rankings and summary as artifacts and a described parameter form; a run SIGKILLed mid-update,
 retried as the Prefect UI's Retry button does (same flow run), continues without recomputing a committed stage,
-leaves no task run "Running" and no duplicate iteration subflow."""
+leaves no task run "Running" and no duplicate iteration subflow. The repo's ``prefect.yaml`` with process workers
+is ``tests/test_stack.py``'s (a Prefect server on PostgreSQL, two workers, a killed worker retried)."""
 
 from __future__ import annotations
 
@@ -273,39 +274,3 @@ def test_a_run_killed_mid_update_and_retried_from_the_ui_leaves_no_stale_state(p
         for stage in stages:
             assert read_manifest(run_dir, iteration, stage, verify=True), (iteration, stage)
     shutil.rmtree(store)
-
-
-def test_the_prefect_yaml_deploys_to_a_work_pool_whose_worker_runs_the_campaign(prefect, tmp_path: Path):
-    """The README's path for a server with workers: work pool, `prefect deploy --all` of the repo's
-    prefect.yaml, a process worker, a triggered campaign."""
-    env, root = prefect["env"], Path(__file__).resolve().parents[1]
-    prefect_cli = str(Path(sys.executable).with_name("prefect"))
-    for command in (["work-pool", "create", "solrl", "--type", "process"], ["--no-prompt", "deploy", "--all"]):
-        done = subprocess.run([prefect_cli, *command], env=env, cwd=root, capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    worker = subprocess.Popen(
-        [prefect_cli, "worker", "start", "--pool", "solrl"],
-        env=env,
-        cwd=tmp_path,
-        stdout=open(Path(prefect["logs"]) / "worker.log", "w"),  # noqa: SIM115
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-        with _client(prefect) as client:
-            deployment = _deployment_ready(client, "campaign")
-            assert deployment.work_pool_name == "solrl" and deployment.entrypoint == "solrl.flows.deployment.sol_rl"
-            flow_run = client.create_flow_run_from_deployment(
-                deployment.id, parameters={"overrides": OVERRIDES, "iterations": 1, "store": str(tmp_path / "store")}
-            )
-            final = _wait_final(client, flow_run.id)
-            assert final.state.is_completed(), f"{final.state}\n{_logs(prefect)}"
-    finally:  # a process worker takes 20 s or more to stop on SIGTERM on two busy cores
-        worker.terminate()
-        try:
-            worker.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            worker.kill()
-            worker.wait()
-    (run_dir,) = [p.parent for p in (tmp_path / "store").glob("*/run.json")]
-    assert read_manifest(run_dir, 1, "checkpoint", verify=True)
