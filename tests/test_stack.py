@@ -94,7 +94,7 @@ class Stack:
     def __init__(self, home: Path) -> None:
         self.home = home
         self.logs = home / "logs"
-        self.logs.mkdir()
+        self.logs.mkdir(parents=True)
         self.procs: dict[str, subprocess.Popen] = {}
         self.secrets: dict[str, str] = {}
 
