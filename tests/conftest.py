@@ -62,32 +62,6 @@ CHILD_PRELOAD = [
 ]
 
 
-#: The longest test files, longest first (seconds of one file on a busy 2-core machine, 2026-12-03: test_stack
-#: 384, test_object_store about 460 with its 2-node Ray test, test_distributed 275, test_serve 175, test_shards
-#: 205, test_compile 190, test_families 165). ``make test`` hands whole files to its two workers in collection
-#: order; collected alphabetically, the two longest started last and one core idled for the last 4 minutes.
-LONGEST_FIRST = [
-    "test_object_store.py",
-    "test_stack.py",
-    "test_distributed.py",
-    "test_shards.py",
-    "test_compile.py",
-    "test_serve.py",
-    "test_families.py",
-    "test_flow.py",
-    "test_remote_reward.py",
-    "test_faults.py",
-    "test_guards.py",
-    "test_shutdown.py",
-]
-
-
-def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list) -> None:
-    """Run the longest files first (``LONGEST_FIRST``), the rest in their usual order after them."""
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order within a file is kept
-
-
 def tiny_config(root: Path, *extra: str) -> RunConfig:
     return load_config("tiny-digits", [*TINY, f"storage.root={root}", *extra])
 
