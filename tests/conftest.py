@@ -130,6 +130,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(url: str, proc, log: Path | None = None, timeout: float = 180) -> None:
+    """Poll ``url`` until it answers 200, while ``proc`` (a ``subprocess.Popen``) runs; on its exit or after
+    ``timeout`` seconds, fail with the tail of ``log``."""
+    import time
+
+    import httpx
+
+    def tail() -> str:
+        return log.read_text(errors="replace")[-3000:] if log else ""
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"{proc.args[:3]} exited {proc.returncode}:\n{tail()}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise AssertionError(f"{url} never answered:\n{tail()}")
+
+
 @contextmanager
 def moto_server(env: dict[str, str] | None = None) -> Iterator[str]:
     """moto's S3 server (``moto[server]``) in its own process on a free loopback port, with ``env`` added to its

@@ -11,16 +11,14 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
-from conftest import TINY, tiny_config
+from conftest import TINY, free_port, tiny_config, wait_healthy
 
 from solrl.stages.pipeline import campaign_plan
 from solrl.storage.stage import FAULT_ENV, FAULT_ONCE_ENV, read_manifest
@@ -31,31 +29,12 @@ pytestmark = pytest.mark.slow
 OVERRIDES = [o for o in TINY if not o.startswith("campaign.iterations")] + ["campaign.stage_retries=0"]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 180) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        assert proc.poll() is None, f"exited {proc.returncode}"
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise AssertionError(f"{url} never answered")
-
-
 @pytest.fixture(scope="module")
 def prefect(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """A real Prefect server and two `solrl serve` processes: deployment ``served`` and deployment ``faulty``,
     whose flow-run process SIGKILLs itself in iteration 2 while update writes (``SOLRL_FAULT``), once."""
     home = tmp_path_factory.mktemp("prefect-home")
-    port = _free_port()
+    port = free_port()
     api = f"http://127.0.0.1:{port}/api"
     env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": api, "PYTHONUNBUFFERED": "1"}
     env["PREFECT_LOGGING_LEVEL"] = "INFO"  # the flow runs' own log lines reach the API (the tests read them)
@@ -72,7 +51,7 @@ def prefect(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]
     )
     serves: list[subprocess.Popen] = []
     try:
-        _wait_healthy(api, server)
+        wait_healthy(f"{api}/health", server)
         solrl = [sys.executable, "-m", "solrl.cli", "serve"]
         once = {FAULT_ENV: "2:update:write", FAULT_ONCE_ENV: str(home / "fault-fired")}
         for name, extra in (("served", {}), ("faulty", once)):

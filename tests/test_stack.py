@@ -33,7 +33,7 @@ import httpx
 import psutil
 import pytest
 import yaml
-from conftest import TINY, free_port, moto_server, postgres_server
+from conftest import TINY, free_port, moto_server, postgres_server, wait_healthy
 
 from solrl.stages.pipeline import campaign_plan
 from solrl.storage.runs import open_run
@@ -48,20 +48,6 @@ OVERRIDES = [o for o in TINY if not o.startswith("campaign.iterations")] + ["cam
 #: The automation's window in the tests: twice the workers' heartbeat (30 s, Prefect's least), so a flow-run process
 #: starved of the two cores for half a minute is not taken for dead.
 CRASH_WITHIN = 60
-
-
-def _wait(url: str, proc: subprocess.Popen, log: Path, timeout: float = 180) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"{proc.args[:3]} exited {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise AssertionError(f"{url} never answered:\n{log.read_text()[-3000:]}")
 
 
 def _start(args: list[str], env: dict[str, str], log: Path, cwd: Path | None = None) -> subprocess.Popen:
@@ -122,7 +108,7 @@ class Stack:
             self.mlflow_env,
             log,
         )
-        _wait(f"{self.mlflow}/health", self.procs["mlflow"], log)
+        wait_healthy(f"{self.mlflow}/health", self.procs["mlflow"], log)
 
     def start_worker(self, name: str) -> None:
         command = [str(BIN / "prefect"), "worker", "start", "--pool", "solrl", "--type", "process", "--name", name]
@@ -188,8 +174,8 @@ def running_stack(
             "MLFLOW_TRACKING_PASSWORD": stack.secrets["mlflow"],
         }
         stack.bucket = f"solrl-{secrets.token_hex(6)}"
-        boto3.client("s3", endpoint_url=endpoint, **_boto(aws)).create_bucket(Bucket=stack.bucket)
         stack.s3 = boto3.client("s3", endpoint_url=endpoint, **_boto(aws))
+        stack.s3.create_bucket(Bucket=stack.bucket)
         db = f"{pg['user']}:{pg['password']}@{pg['host']}:{pg['port']}"
 
         # The Prefect server on PostgreSQL, its API behind the auth string.
@@ -230,7 +216,7 @@ def running_stack(
         )
         stack.start_mlflow()
         closing.callback(lambda: _stop(stack.procs["mlflow"]))
-        _wait(f"{stack.api}/health", stack.procs["prefect-server"], log)
+        wait_healthy(f"{stack.api}/health", stack.procs["prefect-server"], log)
 
         # The work pool, prefect.yaml's deployment and the crashed-worker automation, as docker/compose.yaml's
         # deploy service makes them; the automation's window cut to CRASH_WITHIN for the test.
@@ -239,13 +225,13 @@ def running_stack(
         automations = yaml.safe_load((ROOT / "docker" / "automations.yaml").read_text())
         automations["automations"][0]["trigger"]["within"] = CRASH_WITHIN
         (home / "automations.yaml").write_text(yaml.safe_dump(automations))
-        for command, cwd in (
-            (["work-pool", "create", "solrl", "--type", "process", "--overwrite"], ROOT),
-            (["--no-prompt", "deploy", "--all"], ROOT),
-            (["automation", "create", "--from-file", str(home / "automations.yaml")], ROOT),
+        for command in (
+            ["work-pool", "create", "solrl", "--type", "process", "--overwrite"],
+            ["--no-prompt", "deploy", "--all"],  # the repo's prefect.yaml
+            ["automation", "create", "--from-file", str(home / "automations.yaml")],
         ):
             done = subprocess.run(
-                [prefect_cli, *command], env=user, cwd=cwd, capture_output=True, text=True, timeout=300
+                [prefect_cli, *command], env=user, cwd=ROOT, capture_output=True, text=True, timeout=300
             )
             if done.returncode != 0:
                 raise RuntimeError(f"prefect {' '.join(command)}: {done.stdout[-2000:]}{done.stderr[-2000:]}")
@@ -374,24 +360,28 @@ def campaigns(stack: Stack) -> dict:
 
 
 def test_the_servers_refuse_requests_without_credentials(stack: Stack):
-    refused = httpx.post(f"{stack.api}/flows/filter", json={})
+    # A minute per request: MLflow's first authenticated one (its user store, a PBKDF2 check) outlasted httpx's
+    # 5 s default while the rest of the suite loaded the two cores.
+    http = httpx.Client(timeout=60)
+    refused = http.post(f"{stack.api}/flows/filter", json={})
     assert refused.status_code == 401
-    wrong = httpx.post(f"{stack.api}/flows/filter", json={}, auth=("solrl", "not-it"))
+    wrong = http.post(f"{stack.api}/flows/filter", json={}, auth=("solrl", "not-it"))
     assert wrong.status_code == 401
     user, password = stack.auth_string.split(":", 1)
-    assert httpx.post(f"{stack.api}/flows/filter", json={}, auth=(user, password)).status_code == 200
+    assert http.post(f"{stack.api}/flows/filter", json={}, auth=(user, password)).status_code == 200
     search = f"{stack.mlflow}/api/2.0/mlflow/experiments/search"
-    assert httpx.post(search, json={"max_results": 1}).status_code == 401
-    assert httpx.post(search, json={"max_results": 1}, auth=("admin", "not-it")).status_code == 401
-    assert httpx.post(search, json={"max_results": 1}, auth=("admin", stack.secrets["mlflow"])).status_code == 200
+    assert http.post(search, json={"max_results": 1}).status_code == 401
+    assert http.post(search, json={"max_results": 1}, auth=("admin", "not-it")).status_code == 401
+    assert http.post(search, json={"max_results": 1}, auth=("admin", stack.secrets["mlflow"])).status_code == 200
     # MLflow >= 3.5 checks the Host header (DNS rebinding): a name it was not given is refused, credentials or not.
-    rebound = httpx.post(
+    rebound = http.post(
         search,
         json={"max_results": 1},
         auth=("admin", stack.secrets["mlflow"]),
         headers={"Host": "attacker.example"},
     )
     assert rebound.status_code == 403, rebound.status_code
+    http.close()
 
 
 def test_the_campaigns_ran_on_the_workers_one_at_a_time_and_committed_every_stage_on_s3(stack: Stack, campaigns):
