@@ -31,6 +31,12 @@ app = typer.Typer(
 )
 
 StoreOption = Annotated[str, typer.Option("--store", help="Run store (the config's storage.root).")]
+ForceOption = Annotated[
+    bool,
+    typer.Option(
+        "--force", help="Start even where the memory plan does not fit the device (`solrl plan` shows the plan)."
+    ),
+]
 
 
 def _fail(message: str, code: int = 2) -> None:
@@ -186,11 +192,59 @@ def _report(store: str, run_id: str, outcome: str = "finished") -> None:
     )
 
 
+def _check_memory(cfg: object, force: bool) -> None:
+    """The memory plan against the device (``solrl.stages.memory.check_memory``), its line on stderr; ``force``
+    also lets the campaign flow past it (``SOLRL_FORCE_MEMORY``). Raises MemoryPlanError (a ConfigError)."""
+    from solrl.stages.memory import FORCE_ENV, check_memory
+
+    if force:
+        os.environ[FORCE_ENV] = "1"
+    typer.echo(f"solrl: {check_memory(cfg)}", err=True)
+
+
+@app.command()
+def plan(
+    config: Annotated[str | None, typer.Argument(help="Preset name (configs/*.yaml) or YAML path.")] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Override: section.key=value (YAML value).")] = None,
+    gpu: Annotated[
+        list[float] | None,
+        typer.Option("--gpu", help="Plan for a device of this many GiB (repeatable; default 80, 141 and 192)."),
+    ] = None,
+) -> None:
+    """Print the memory plan of a config: per stage, what one device holds at its peak, and whether it fits.
+
+    Measured on PyTorch's meta device from the transformer's and VAE's configs (the weights folder's, else the
+    published configs solrl ships): no weights are read and no GPU is needed."""
+    _quiet_environment()
+    try:
+        cfg = load_config(config, set_ or [])
+        import torch
+
+        from solrl.stages.memory import GIB, GPU_SIZES, cached_measure, fixes, format_plan, make_plan
+
+        footprint = cached_measure(cfg, torch.bfloat16)
+    except ConfigError as exc:
+        _fail(str(exc))
+    except NotImplementedError as exc:
+        _fail(str(exc))
+    sizes = gpu or list(GPU_SIZES.values())
+    for gib in sizes:
+        p = make_plan(cfg, footprint, int(gib * GIB))
+        typer.echo(format_plan(p, f"{cfg.name} on a {gib:g} GiB device (bf16 weights)"))
+        found = fixes(cfg, p)
+        typer.echo(
+            f"largest explore batch {p.largest_explore_batch}, largest micro-batch {p.largest_micro_batch}"
+            + (f"; fix: {'; or '.join(found)}" if found else "")
+            + "\n"
+        )
+
+
 @app.command()
 def run(
     config: Annotated[str | None, typer.Argument(help="Preset name (configs/*.yaml) or YAML path.")] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="Override: section.key=value (YAML value).")] = None,
     run_id: Annotated[str | None, typer.Option("--run-id", help="Name of the run (default: preset-time-hex).")] = None,
+    force: ForceOption = False,
 ) -> None:
     """Start a new campaign from a preset (default tiny-digits)."""
     made: list[str] = []  # [run id, store] once the run exists
@@ -206,6 +260,7 @@ def run(
 
             check_runnable(cfg)
             run_id = check_run_id(run_id or new_run_id(cfg.name))
+            _check_memory(cfg, force)
             store = open_store(cfg.storage.root)
             store.check(write=True)  # an object store that cannot be used: one line, nothing written anywhere
             _start_prefect_early()  # after the checks: bad input exits at once, with no server to stop
@@ -302,6 +357,7 @@ def resume(
         int | None,
         typer.Option(min=1, help="Continue with this many prompt shards (campaign.shards; results do not change)."),
     ] = None,
+    force: ForceOption = False,
 ) -> None:
     """Continue a run: committed stages are skipped, the first stage without a manifest runs next."""
     _quiet_environment()  # before the checks (HF_HUB_OFFLINE)
@@ -314,6 +370,7 @@ def resume(
             from solrl.stages.runnable import check_runnable
 
             check_runnable(run_.config, run_.prompts_sha256, run_.weights)
+            _check_memory(run_.config, force)
             with run_lock(run_.run_dir):  # refuse now, not after Prefect has started, when another process runs it
                 if shards is not None:
                     set_shards(store, run_id, shards)

@@ -198,6 +198,12 @@ class TrainConfig(_Section):
         description="train.launcher=ray: Ray Train workers of the update (ScalingConfig.num_workers), each with one "
         "GPU on CUDA, else one CPU. Layout only, as train.nproc_per_node.",
     )
+    gradient_checkpointing: bool = Field(
+        False,
+        description="Recompute each transformer block in backward instead of keeping its activations (diffusers' "
+        "enable_gradient_checkpointing): the update's activation memory drops to about the blocks' inputs, for "
+        "about one more forward of compute. Layout only: the trained weights are the same.",
+    )
     timestep_fraction: float = Field(
         0.6, gt=0, le=1, description="Fraction of the sampling timesteps trained per step."
     )
@@ -537,6 +543,7 @@ LAYOUT_FIELDS = (
     ("train", "nproc_per_node"),
     ("train", "launcher"),
     ("train", "workers"),
+    ("train", "gradient_checkpointing"),
     ("tracking", "report_every"),
 )
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import torch
 
+from solrl.config import ConfigError
 from solrl.registry import LOSSES
 from solrl.stages.context import StageContext
 from solrl.stages.losses.advantages import Advantages, group_advantages, prompt_history_advantages
@@ -137,11 +140,47 @@ def train_policy(
     Raises:
         FloatingPointError: a non-finite gradient norm.
     """
+    policy = ctx.load_policy(start)
+    with _checkpointing(policy, ctx.cfg.train.gradient_checkpointing):
+        return _train(ctx, out, policy, samples, rewards, stats, start, rank, world)
+
+
+@contextmanager
+def _checkpointing(policy: Policy, enabled: bool) -> Iterator[None]:
+    """Gradient checkpointing of the policy's transformer for the duration (the loaded policy is reused by the
+    stages that sample, which never take gradients)."""
+    net = policy.transformer
+    if not enabled:
+        yield
+        return
+    if not getattr(net, "_supports_gradient_checkpointing", False):
+        raise ConfigError(
+            f"train.gradient_checkpointing=true: the {type(net).__name__} of model.family="
+            f"{policy.model.name} does not support gradient checkpointing; set it to false"
+        )
+    net.enable_gradient_checkpointing()
+    try:
+        yield
+    finally:
+        net.disable_gradient_checkpointing()
+
+
+def _train(
+    ctx: StageContext,
+    out: Path | None,
+    policy: Policy,
+    samples: Samples,
+    rewards: RegeneratedRewards,
+    stats: RewardStats | None,
+    start: StartingPolicy | None,
+    rank: int,
+    world: int,
+) -> StageOutput:
+    """``train_policy``'s steps on the loaded ``policy``."""
     tc, loss_fn = ctx.cfg.train, LOSSES.get(ctx.cfg.train.loss)
     adv = advantages(
         ctx, samples.prompts, rewards.totals(samples.candidate_index, ctx.cfg.reward.normalize), stats, out
     )
-    policy = ctx.load_policy(start)
     params = policy.trainable_parameters()
     opt = torch.optim.AdamW(params, lr=tc.lr, betas=tc.betas, eps=tc.eps, weight_decay=tc.weight_decay)
     if start is not None:

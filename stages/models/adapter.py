@@ -155,6 +155,24 @@ class ModelAdapter:
         path = cls.weights_dir(cfg) / "transformer" / "config.json"
         return {"transformer": json.loads(path.read_text(encoding="utf-8"))}
 
+    @classmethod
+    def meta_adapter(
+        cls, cfg: ModelConfig, dtype: torch.dtype, *, blocks: int | None = None
+    ) -> tuple[ModelAdapter, str, int]:
+        """The adapter over the family's transformer (and VAE) built on the meta device in ``dtype``, for the memory
+        plan (``solrl.stages.memory``): ``(adapter, where its configs came from, text encoders' bytes)``;
+        ``blocks`` keeps that many repeated blocks of each kind.
+
+        Raises:
+            NotImplementedError: the family cannot be planned (a third-party family that does not implement it).
+        """
+        raise NotImplementedError(f"model family {cls.name} implements no memory plan (meta_adapter)")
+
+    def conditioning_like(self, batch: int) -> Conditioning:
+        """Conditioning of ``batch`` prompts with ``_encode``'s keys, shapes and dtypes (values zero), on the
+        adapter's device: the memory plan measures with it, no text encoder loaded."""
+        raise NotImplementedError(f"model family {self.name} implements no memory plan (conditioning_like)")
+
     # -- instance level ----------------------------------------------------------------------------------------
     def _encode(self, prompts: list[str]) -> Conditioning:
         """The conditioning of ``prompts`` (uncached): name -> tensor with a leading batch axis ``[B, ...]``."""

@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -20,7 +22,7 @@ import torch
 from torch import nn
 
 from solrl.config import ConfigError, ModelConfig, RunConfig
-from solrl.stages.models.adapter import ModelAdapter
+from solrl.stages.models.adapter import Conditioning, ModelAdapter
 from solrl.storage.stage import plain_modes
 from solrl.weights import PIPELINE_FILES, PublishedWeights, hub_download, pipeline_dir, published_weights
 
@@ -36,6 +38,20 @@ def quiet_loading() -> None:
 
     diffusers_logging.disable_progress_bar()
     transformers_logging.disable_progress_bar()
+
+
+@contextmanager
+def quiet_diffusers() -> Iterator[None]:
+    """diffusers' warnings silenced for the duration (casting a model built from its config, which warns about
+    modules to keep in float32 even when it names none)."""
+    from diffusers.utils import logging as diffusers_logging
+
+    level = diffusers_logging.get_verbosity()
+    diffusers_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        diffusers_logging.set_verbosity(level)
 
 
 def weights_dtype(device: torch.device) -> torch.dtype:
@@ -119,6 +135,19 @@ class DiffusersFamily(ModelAdapter):
         pipe = getattr(diffusers, cls.pipeline_class).from_pretrained(source, dtype=weights_dtype(device), **skipped)
         pipe.set_progress_bar_config(disable=True)
         pipe.to(device)
+        adapter = cls.from_pipe(cfg, pipe, device)
+        if not text_encoders:
+            adapter.release_text_encoders()
+        return adapter
+
+    @classmethod
+    def from_pipe(cls, cfg: ModelConfig, pipe: Any, device: torch.device) -> DiffusersFamily:
+        """The adapter of a built pipeline ``pipe`` (its transformer frozen): ``load``'s, and the memory plan's
+        pipeline of meta tensors (``solrl.stages.memory``).
+
+        Raises:
+            ConfigError: ``model.resolution`` is not a multiple of the VAE downsampling x patch size.
+        """
         pipe.transformer.eval().requires_grad_(False)
         resolution = cfg.resolution or cls.default_resolution
         factor = cls.latent_factor(pipe)
@@ -139,9 +168,103 @@ class DiffusersFamily(ModelAdapter):
             max_sequence_length=cfg.max_sequence_length or cls.default_max_sequence_length,
             guidance=cfg.guidance,
         )
-        if not text_encoders:
-            adapter.release_text_encoders()
         return adapter
+
+    # -- the memory plan: the pipeline on the meta device ------------------------------------------------------
+    #: Transformer config keys counting its repeated blocks (``meta_adapter(blocks=...)`` cuts each to that many).
+    depth_keys: ClassVar[tuple[str, ...]] = ("num_layers",)
+    #: Transformer config key giving the width of the text embedding ``emb`` it takes.
+    text_width_key: ClassVar[str] = "joint_attention_dim"
+    #: Transformer config key of the pooled text embedding's width (``pooled``), if the family takes one.
+    pooled_width_key: ClassVar[str | None] = None
+    #: Whether the conditioning carries a token ``mask`` int64 ``[B, L]``.
+    text_mask: ClassVar[bool] = False
+    #: Text tokens ahead of ``model.max_sequence_length`` in ``emb`` (SD3: the 77 CLIP tokens).
+    extra_text_tokens: ClassVar[int] = 0
+
+    @classmethod
+    def pipeline_configs(cls, cfg: ModelConfig) -> tuple[dict[str, Any], str]:
+        """The pipeline's component configs and where they come from: ``model.path``'s own when its transformer and
+        VAE configs are there (text encoders counted from their safetensors headers), else the published configs
+        shipped with solrl (``solrl/stages/models/published/``, by the pipeline's hub id).
+
+        Returns:
+            ``({"transformer": {"class", "config"}, "vae": {...}, "scheduler": {...} | None, "text_encoders":
+            {name: parameters}}, source)``.
+
+        Raises:
+            ConfigError: neither is available.
+        """
+        from solrl.stages.models.published import read_folder, read_published
+
+        folder = cls.weights_dir(cfg) if cfg.path or issubclass(cls, TinyFamily) else None
+        if folder is not None and (folder / "transformer" / "config.json").is_file():
+            return read_folder(folder), str(folder)
+        published = read_published(cfg.path or cls.hub_id)
+        if published is None:
+            raise ConfigError(
+                f"no configs to plan {cls.name}'s memory with: {folder or cfg.path} has no transformer/config.json, "
+                f"and solrl ships no published configs for {cfg.path or cls.hub_id!r}"
+            )
+        return published, f"published configs of {cfg.path or cls.hub_id}"
+
+    @classmethod
+    def meta_adapter(
+        cls, cfg: ModelConfig, dtype: torch.dtype, *, blocks: int | None = None
+    ) -> tuple[DiffusersFamily, str, int]:
+        """The family's adapter over a pipeline of meta tensors (the transformer and VAE built from their configs
+        in ``dtype``, no text encoder), for ``solrl.stages.memory``; ``blocks`` cuts every ``depth_keys`` count.
+
+        Returns:
+            ``(adapter, where the configs came from, text encoders' parameter bytes in dtype)``.
+        """
+        import inspect
+
+        import diffusers
+
+        if issubclass(cls, TinyFamily):
+            build_once(cls, cls.weights_dir(cfg))  # type: ignore[arg-type]
+        configs, source = cls.pipeline_configs(cfg)
+        transformer_config = dict(configs["transformer"]["config"])
+        if blocks is not None:
+            for key in cls.depth_keys:
+                transformer_config[key] = min(blocks, int(transformer_config[key]))
+            cls.cut_depth(transformer_config)
+        with torch.device("meta"), quiet_diffusers():
+            transformer = getattr(diffusers, configs["transformer"]["class"]).from_config(transformer_config)
+            vae = getattr(diffusers, configs["vae"]["class"]).from_config(configs["vae"]["config"])
+            transformer.to(dtype)
+            vae.to(dtype)
+        scheduler = configs.get("scheduler")
+        scheduler = (
+            getattr(diffusers, scheduler["class"]).from_config(scheduler["config"])
+            if scheduler
+            else diffusers.FlowMatchEulerDiscreteScheduler()
+        )
+        pipeline = getattr(diffusers, cls.pipeline_class)
+        wanted = [n for n in inspect.signature(pipeline.__init__).parameters if n != "self"]
+        given = {"transformer": transformer, "vae": vae, "scheduler": scheduler}
+        pipe = pipeline(**{name: given.get(name) for name in wanted})
+        adapter = cls.from_pipe(cfg, pipe, torch.device("meta"))
+        adapter._released = True
+        size = torch.empty((), dtype=dtype).element_size()
+        return adapter, source, size * sum(configs["text_encoders"].values())
+
+    @classmethod
+    def cut_depth(cls, config: dict[str, Any]) -> None:
+        """Keep the rest of a transformer config consistent after ``depth_keys`` were cut (in place)."""
+
+    def conditioning_like(self, batch: int) -> Conditioning:
+        """Conditioning of ``batch`` prompts with the keys, shapes and dtypes ``_encode`` gives (every text token
+        kept, values zero), on the adapter's device: what the memory plan measures with, no text encoder loaded."""
+        config, dtype = self.transformer.config, self.transformer.dtype
+        length = self.max_sequence_length + self.extra_text_tokens
+        cond = {"emb": torch.zeros(batch, length, int(config[self.text_width_key]), device=self.device, dtype=dtype)}
+        if self.pooled_width_key:
+            cond["pooled"] = torch.zeros(batch, int(config[self.pooled_width_key]), device=self.device, dtype=dtype)
+        if self.text_mask:
+            cond["mask"] = torch.ones(batch, length, device=self.device, dtype=torch.int64)
+        return cond
 
     @classmethod
     def vae_scale_factor(cls, pipe: Any) -> int:

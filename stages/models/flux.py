@@ -40,6 +40,8 @@ class Flux(DiffusersFamily):
     resolution_multiple: ClassVar[int] = 16
     max_sequence_length_limit: ClassVar[int] = 512
     text_encoder_names: ClassVar[tuple[str, ...]] = ("text_encoder", "text_encoder_2")
+    depth_keys: ClassVar[tuple[str, ...]] = ("num_layers", "num_single_layers")
+    pooled_width_key: ClassVar[str | None] = "pooled_projection_dim"
 
     @classmethod
     def latent_factor(cls, pipe: Any) -> int:

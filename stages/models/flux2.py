@@ -83,6 +83,7 @@ class Flux2Klein(DiffusersFamily):
     default_max_sequence_length: ClassVar[int] = 512  # Flux2KleinPipeline's default
     resolution_multiple: ClassVar[int] = 16
     max_sequence_length_limit: ClassVar[int] = 512  # the pipeline's tokenizer_max_length
+    depth_keys: ClassVar[tuple[str, ...]] = ("num_layers", "num_single_layers")
     #: The Qwen3 layers whose hidden states make the prompt embedding (the pipeline's default).
     text_encoder_out_layers: ClassVar[tuple[int, ...]] = (9, 18, 27)
 

@@ -70,6 +70,7 @@ class QwenImage(DiffusersFamily):
     default_max_sequence_length: ClassVar[int] = 512  # QwenImagePipeline's default
     resolution_multiple: ClassVar[int] = 16
     max_sequence_length_limit: ClassVar[int] = 1024  # QwenImagePipeline.check_inputs
+    text_mask: ClassVar[bool] = True
 
     @classmethod
     def latent_shape_of(cls, pipe: Any, resolution: int) -> tuple[int, int, int]:
@@ -96,13 +97,14 @@ class QwenImage(DiffusersFamily):
         pipeline); unpacked again."""
         B, C, h, w = x.shape
         dtype = self.transformer.dtype
-        length = int(cond["mask"].sum(dim=1).max())
+        meta = cond["mask"].device.type == "meta"  # the memory plan's shapes: every token kept
+        length = cond["mask"].shape[1] if meta else int(cond["mask"].sum(dim=1).max())
         emb, mask = cond["emb"][:, :length].to(dtype), cond["mask"][:, :length]
         out = net(
             hidden_states=type(self.pipe)._pack_latents(x.to(dtype), B, C, h, w),
             timestep=sigma.to(dtype),
             encoder_hidden_states=emb,
-            encoder_hidden_states_mask=None if bool(mask.all()) else mask,
+            encoder_hidden_states_mask=None if meta or bool(mask.all()) else mask,
             img_shapes=[[(1, h // 2, w // 2)]] * B,
             return_dict=False,
         )[0]

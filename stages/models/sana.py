@@ -47,6 +47,8 @@ class Sana(DiffusersFamily):
     default_max_sequence_length: ClassVar[int] = 300
     resolution_multiple: ClassVar[int] = 32
     max_sequence_length_limit: ClassVar[int] = 1024
+    text_width_key: ClassVar[str] = "caption_channels"
+    text_mask: ClassVar[bool] = True
     #: Prepend SANA's complex human instruction to every prompt (SanaPipeline's default).
     complex_human_instruction: ClassVar[bool] = True
 

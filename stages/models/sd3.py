@@ -58,6 +58,14 @@ class SD3(DiffusersFamily):
     resolution_multiple: ClassVar[int] = 16
     max_sequence_length_limit: ClassVar[int] = 512
     text_encoder_names: ClassVar[tuple[str, ...]] = ("text_encoder", "text_encoder_2", "text_encoder_3")
+    pooled_width_key: ClassVar[str | None] = "pooled_projection_dim"
+    extra_text_tokens: ClassVar[int] = 77  # the two CLIPs' tokens ahead of T5's
+
+    @classmethod
+    def cut_depth(cls, config: dict) -> None:
+        """SD3.5-medium's MMDiT-X blocks (``dual_attention_layers``) kept where they are still in the depth."""
+        layers = config.get("dual_attention_layers") or ()
+        config["dual_attention_layers"] = tuple(i for i in layers if i < config["num_layers"])
 
     def _encode(self, prompts: list[str]) -> Conditioning:
         """``emb`` ``[B, 77 + L, D]`` (the two CLIPs' penultimate states, padded to the T5 width, then T5) and

@@ -240,6 +240,43 @@ class TinyDigits(ModelAdapter):
         return adapter
 
     @classmethod
+    def meta_adapter(
+        cls, cfg: ModelConfig, dtype: torch.dtype, *, blocks: int | None = None
+    ) -> tuple[TinyDigits, str, int]:
+        """The adapter over the transformer built from its config on the meta device (``solrl.stages.memory``)."""
+        from diffusers import SanaTransformer2DModel
+
+        from solrl.stages.models.diffusers_family import quiet_diffusers
+        from solrl.stages.models.published import safetensors_parameters_file
+
+        dtype = torch.float32  # ``load`` keeps the shipped float32 weights on every device
+        root = cls.weights_dir(cfg)
+        config = SanaTransformer2DModel.load_config(root / "transformer")
+        if blocks is not None:
+            config["num_layers"] = min(blocks, int(config["num_layers"]))
+        with torch.device("meta"), quiet_diffusers():
+            transformer = SanaTransformer2DModel.from_config(config).to(dtype)
+        transformer.eval().requires_grad_(False)
+        adapter = cls(
+            transformer=transformer,
+            device=torch.device("meta"),
+            latent_shape=(1, IMAGE_SIZE, IMAGE_SIZE),
+            shift=cfg.sampler_shift,
+            solver=cfg.solver,
+            grid_period=int(transformer.config.patch_size),
+        )
+        adapter._released = True
+        size = torch.empty((), dtype=dtype).element_size()
+        return adapter, str(root), size * safetensors_parameters_file(root / "text_encoder.safetensors")
+
+    def conditioning_like(self, batch: int) -> Conditioning:
+        """``_encode``'s shapes and dtypes, zero, on the adapter's device (the memory plan)."""
+        return {
+            "emb": torch.zeros(batch, MAX_TOKENS, TEXT_DIM, device=self.device),
+            "mask": torch.ones(batch, MAX_TOKENS, dtype=torch.int64, device=self.device),
+        }
+
+    @classmethod
     def validate_config(cls, cfg: RunConfig) -> None:
         super().validate_config(cfg)
         if cfg.model.resolution not in (None, IMAGE_SIZE):

@@ -59,6 +59,7 @@ class Wan(DiffusersFamily):
     default_max_sequence_length: ClassVar[int] = 512  # WanPipeline's default
     resolution_multiple: ClassVar[int] = 16
     max_sequence_length_limit: ClassVar[int] = 512
+    text_width_key: ClassVar[str] = "text_dim"
     #: Frames per video (Wan2.1's published 81: 5 s at 16 fps).
     default_num_frames: ClassVar[int] = 81
     #: Frames per latent frame of the VAE (after the first).
@@ -94,8 +95,8 @@ class Wan(DiffusersFamily):
         return cls.vae_scale_factor(pipe) * int(pipe.transformer.config.patch_size[1])
 
     @classmethod
-    def load(cls, cfg: ModelConfig, device: torch.device, *, text_encoders: bool = True) -> Wan:
-        adapter = super().load(cfg, device, text_encoders=text_encoders)
+    def from_pipe(cls, cfg: ModelConfig, pipe: Any, device: torch.device) -> Wan:
+        adapter = super().from_pipe(cfg, pipe, device)
         assert isinstance(adapter, Wan)
         frames = cfg.num_frames or cls.default_num_frames
         temporal = int(adapter.pipe.vae_scale_factor_temporal)

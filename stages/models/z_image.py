@@ -61,6 +61,9 @@ class ZImage(DiffusersFamily):
     default_max_sequence_length: ClassVar[int] = 512  # ZImagePipeline's default
     resolution_multiple: ClassVar[int] = 16
     max_sequence_length_limit: ClassVar[int] = 1024
+    depth_keys: ClassVar[tuple[str, ...]] = ("n_layers",)
+    text_width_key: ClassVar[str] = "cap_feat_dim"
+    text_mask: ClassVar[bool] = True
     #: The transformer's patch size (``all_patch_size``: the pipelines use 2).
     patch_size: ClassVar[int] = 2
 
@@ -91,7 +94,11 @@ class ZImage(DiffusersFamily):
         ``x0 - eps``, so the velocity is its negation."""
         dtype = self.transformer.dtype
         latents = list(x.to(dtype).unsqueeze(2).unbind(0))  # B x [C, 1, h, w]
-        captions = [emb[mask.bool()] for emb, mask in zip(cond["emb"].to(dtype), cond["mask"])]
+        emb = cond["emb"].to(dtype)
+        if emb.device.type == "meta":  # the memory plan's shapes: every caption row kept
+            captions = list(emb.unbind(0))
+        else:
+            captions = [e[mask.bool()] for e, mask in zip(emb, cond["mask"], strict=True)]
         out = net(latents, 1 - sigma.float(), captions, return_dict=False)[0]
         return -torch.stack(out).squeeze(2)
 

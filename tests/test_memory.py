@@ -1,0 +1,169 @@
+"""The memory plan (issue 20): meta-device counts against real ones, the refusal before an out-of-memory with its
+numbers and fixes, ``--force``, and gradient checkpointing that trains the same LoRA."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import tiny_config
+
+from solrl.config import load_config
+from solrl.registry import MODELS
+from solrl.stages.memory import (
+    DEVICE_MEMORY_ENV,
+    MemoryPlanError,
+    check_memory,
+    make_plan,
+    measure,
+    train_bytes,
+)
+from solrl.stages.models import load_model
+
+SOLRL = [sys.executable, "-m", "solrl.cli"]
+TINY_FAMILIES = ["tiny-flux", "tiny-sd3", "tiny-sana", "tiny-flux2", "tiny-qwen-image", "tiny-z-image", "tiny-wan"]
+
+
+def _with_lora(adapter):
+    from peft import LoraConfig
+
+    targets = adapter.lora_targets if isinstance(adapter.lora_targets, str) else list(adapter.lora_targets)
+    adapter.transformer.requires_grad_(False)
+    adapter.transformer.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=targets), "policy")
+    adapter.transformer.set_adapter("policy")
+    return adapter
+
+
+@pytest.mark.parametrize("preset", TINY_FAMILIES)
+def test_the_planned_conditioning_is_what_the_text_encoders_give(preset):
+    """The plan measures with ``conditioning_like``: the keys, shapes and dtypes of the family's own ``_encode``."""
+    cfg = load_config(preset, ["model.device=cpu"])
+    real = load_model(cfg.model, torch.device("cpu"))._encode(["a photo of a cat"])
+    meta, _, _ = MODELS.get(cfg.model.family).meta_adapter(cfg.model, torch.float32)
+    like = meta.conditioning_like(1)
+    assert {k: (tuple(v.shape), v.dtype) for k, v in like.items()} == {
+        k: (tuple(v.shape), v.dtype) for k, v in real.items()
+    }
+    assert all(v.device.type == "meta" for v in like.values())
+
+
+@pytest.mark.parametrize("preset", ["tiny-flux", "tiny-z-image"])
+def test_meta_counts_of_saved_activations_agree_with_a_real_cpu_backward(preset):
+    """Saved-for-backward and peak activation bytes counted on the meta device agree with those of real float32
+    tensors on CPU under the same fused-attention accounting, with and without gradient checkpointing."""
+    cfg = load_config(preset, ["model.device=cpu"])
+    meta = _with_lora(MODELS.get(cfg.model.family).meta_adapter(cfg.model, torch.float32)[0])
+    real = _with_lora(load_model(cfg.model, torch.device("cpu"), text_encoders=False))
+    for batch, checkpointed in ((1, False), (2, False), (2, True)):
+        (meta_peak, meta_saved), (real_peak, real_saved) = (train_bytes(a, batch, checkpointed) for a in (meta, real))
+        # Within 5%, plus 32 KiB: the few per-call constants (position ids, rotary tables) that the real run
+        # builds on the CPU from Python numbers or caches count on the meta device, whatever the model's size.
+        for counted, measured in ((meta_saved, real_saved), (meta_peak, real_peak)):
+            assert measured > 0 and abs(counted - measured) <= 0.05 * measured + (32 << 10), (batch, checkpointed)
+    assert train_bytes(meta, 2, True)[1] < 0.25 * train_bytes(meta, 2, False)[1]  # checkpointing keeps inputs
+
+
+@pytest.fixture(scope="module")
+def digits_footprint():
+    cfg = load_config("tiny-digits", ["model.device=cpu"])
+    return cfg, measure(cfg, weights_dtype=torch.float32)
+
+
+def test_the_plan_adds_up_and_its_largest_batches_fit_exactly(digits_footprint):
+    cfg, footprint = digits_footprint
+    assert footprint.blocks == 3 and footprint.transformer > 0 and footprint.lora > 0
+    assert footprint.train.per_sample > footprint.sample.per_sample > 0  # a backward keeps more than sampling
+    assert footprint.train_checkpointed.per_sample < footprint.train.per_sample
+    device = 64 << 20  # 64 MiB
+    plan = make_plan(cfg, footprint, device)
+    update = next(s for s in plan.stages if s.stage == "update")
+    assert update.total == sum(update.parts.values()) and update.parts["activations"] == footprint.train.at(
+        cfg.train.micro_batch
+    )
+    # The largest micro-batch is the one whose update just fits.
+    largest = plan.largest_micro_batch
+    fits = make_plan(
+        cfg.model_copy(update={"train": cfg.train.model_copy(update={"micro_batch": largest})}), footprint, device
+    )
+    over = make_plan(
+        cfg.model_copy(update={"train": cfg.train.model_copy(update={"micro_batch": largest + 1})}), footprint, device
+    )
+    assert "update" not in {s.stage for s in fits.over()} and "update" in {s.stage for s in over.over()}
+
+
+def test_a_plan_over_the_device_refuses_with_the_numbers_and_the_fix(digits_footprint, monkeypatch, tmp_path):
+    cfg, _ = digits_footprint
+    monkeypatch.setenv(DEVICE_MEMORY_ENV, "0.01")  # 10 MiB: the 64-sample micro-batch's activations do not fit
+    with pytest.raises(MemoryPlanError) as err:
+        check_memory(cfg)
+    message = str(err.value)
+    assert "update needs" in message and "activations" in message and "9.5 MiB usable of 10.2 MiB" in message
+    assert "train.gradient_checkpointing=true" in message or "train.micro_batch=" in message
+    assert "--force" in message
+    assert "forced past" in check_memory(cfg, force=True)
+    monkeypatch.delenv(DEVICE_MEMORY_ENV)
+    assert "not checked" in check_memory(cfg)  # on CPU it reports only
+
+
+def _cli(args, env_extra, cwd):
+    env = {**os.environ, **env_extra}
+    return subprocess.run([*SOLRL, *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=300)
+
+
+def test_run_and_resume_exit_2_before_any_work_and_force_goes_past(tmp_path):
+    store = tmp_path / "runs"
+    small = {DEVICE_MEMORY_ENV: "0.01"}
+    refused = _cli(["run", "tiny-digits", "--set", f"storage.root={store}", "--run-id", "big"], small, tmp_path)
+    assert refused.returncode == 2, refused.stderr
+    assert "does not fit a 0.01 GiB device" in refused.stderr and "Fix:" in refused.stderr
+    assert not (store / "big").exists()  # nothing created
+    # --force goes past the plan: this run then stops at its store (a file, not a folder), after the memory check.
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("")
+    forced = _cli(["run", "tiny-digits", "--set", f"storage.root={not_a_folder}", "--force"], small, tmp_path)
+    assert forced.returncode == 2 and "memory plan: forced past" in forced.stderr, forced.stderr
+    assert "solrl: error: the memory plan" not in forced.stderr
+    # resume checks the stored run's plan the same way.
+    from solrl.storage.runs import create_run
+
+    create_run(tiny_config(store), "stored")
+    resumed = _cli(["resume", "stored", "--store", str(store)], small, tmp_path)
+    assert resumed.returncode == 2 and "the memory plan does not fit" in resumed.stderr
+
+
+def test_solrl_plan_prints_each_stage_against_each_device(tmp_path):
+    out = _cli(["plan", "tiny-digits", "--gpu", "0.01", "--gpu", "80"], {}, tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("| update |") == 2 and "NO (by" in out.stdout and "| yes |" in out.stdout
+    assert "largest micro-batch" in out.stdout
+
+
+def test_gradient_checkpointing_trains_the_same_lora(tmp_path):
+    """train.gradient_checkpointing recomputes the blocks in backward: the same trained adapters, a layout field."""
+    from solrl.stages.context import StageContext
+    from solrl.stages.pipeline import ITERATION, STAGES, run_stage
+    from solrl.stages.update import train_policy
+    from solrl.storage.artifacts import TrainedState
+    from solrl.storage.runs import create_run
+    from solrl.storage.stage import stage_dir
+
+    cfg = tiny_config(tmp_path / "runs")
+    run = create_run(cfg, "ckpt")
+    ctx = StageContext(cfg, run.run_dir, run.run_id, 1)
+    for stage in ITERATION:
+        run_stage(ctx, stage.name)
+        if stage.name == "update":
+            break
+    inputs = [artifact.load(ctx.run_dir, 1) for artifact in STAGES["update"].reads]
+    checkpointed = cfg.model_copy(update={"train": cfg.train.model_copy(update={"gradient_checkpointing": True})})
+    assert checkpointed.digest() == cfg.digest()
+    out = tmp_path / "out"
+    out.mkdir()
+    train_policy(StageContext(checkpointed, run.run_dir, run.run_id, 1), out, *inputs)
+    eager = TrainedState.read(stage_dir(run.run_dir, 1, "update") / TrainedState.filename)
+    again = TrainedState.read(out / TrainedState.filename)
+    for name in ("policy", "rollout", "ema"):
+        torch.testing.assert_close(again.sections[name], eager.sections[name], rtol=1e-5, atol=1e-6)
