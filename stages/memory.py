@@ -288,13 +288,16 @@ def _decode_bytes(adapter: Any, batch: int) -> int:
     return counter.peak
 
 
-def measure(cfg: Any, *, weights_dtype: torch.dtype = torch.bfloat16, blocks: int | None = None) -> Footprint:
+def measure(
+    cfg: Any, *, weights_dtype: torch.dtype = torch.bfloat16, blocks: int | dict[str, int] | None = None
+) -> Footprint:
     """Measure the footprint of ``cfg``'s family at its resolution, on the meta device (seconds, no weights read).
 
     Args:
         cfg: the run's ``RunConfig`` (model family, path, resolution, LoRA rank, ``explore.min_dim``).
         weights_dtype: dtype of the weights on the device (bfloat16 on CUDA, as the product loads them).
-        blocks: keep only this many repeated blocks of each kind (the 2-vs-4-block check); None = all.
+        blocks: keep only this many repeated blocks of each kind, or of the named depth config keys (the
+            benchmarks' depth checks); None = all.
 
     Raises:
         ConfigError: the family's configs are neither in ``model.path`` nor shipped with solrl.

@@ -157,11 +157,12 @@ class ModelAdapter:
 
     @classmethod
     def meta_adapter(
-        cls, cfg: ModelConfig, dtype: torch.dtype, *, blocks: int | None = None
+        cls, cfg: ModelConfig, dtype: torch.dtype, *, blocks: int | dict[str, int] | None = None, device: str = "meta"
     ) -> tuple[ModelAdapter, str, int]:
         """The adapter over the family's transformer (and VAE) built on the meta device in ``dtype``, for the memory
         plan (``solrl.stages.memory``): ``(adapter, where its configs came from, text encoders' bytes)``;
-        ``blocks`` keeps that many repeated blocks of each kind.
+        ``blocks`` keeps that many repeated blocks of each kind (a mapping: of the named config keys);
+        ``device="cpu"``: the same with random weights.
 
         Raises:
             NotImplementedError: the family cannot be planned (a third-party family that does not implement it).

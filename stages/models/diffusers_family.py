@@ -210,10 +210,12 @@ class DiffusersFamily(ModelAdapter):
 
     @classmethod
     def meta_adapter(
-        cls, cfg: ModelConfig, dtype: torch.dtype, *, blocks: int | None = None
+        cls, cfg: ModelConfig, dtype: torch.dtype, *, blocks: int | dict[str, int] | None = None, device: str = "meta"
     ) -> tuple[DiffusersFamily, str, int]:
         """The family's adapter over a pipeline of meta tensors (the transformer and VAE built from their configs
-        in ``dtype``, no text encoder), for ``solrl.stages.memory``; ``blocks`` cuts every ``depth_keys`` count.
+        in ``dtype``, no text encoder), for ``solrl.stages.memory``; ``blocks`` cuts every ``depth_keys`` count to
+        that many (a mapping: the named ones). ``device="cpu"`` builds the same pipeline with random weights, for
+        the benchmarks that check the meta counts against real tensors.
 
         Returns:
             ``(adapter, where the configs came from, text encoders' parameter bytes in dtype)``.
@@ -227,10 +229,11 @@ class DiffusersFamily(ModelAdapter):
         configs, source = cls.pipeline_configs(cfg)
         transformer_config = dict(configs["transformer"]["config"])
         if blocks is not None:
-            for key in cls.depth_keys:
-                transformer_config[key] = min(blocks, int(transformer_config[key]))
+            cuts = blocks if isinstance(blocks, dict) else dict.fromkeys(cls.depth_keys, blocks)
+            for key, count in cuts.items():
+                transformer_config[key] = min(count, int(transformer_config[key]))
             cls.cut_depth(transformer_config)
-        with torch.device("meta"), quiet_diffusers():
+        with torch.device(device), quiet_diffusers():
             transformer = getattr(diffusers, configs["transformer"]["class"]).from_config(transformer_config)
             vae = getattr(diffusers, configs["vae"]["class"]).from_config(configs["vae"]["config"])
             transformer.to(dtype)
@@ -245,7 +248,7 @@ class DiffusersFamily(ModelAdapter):
         wanted = [n for n in inspect.signature(pipeline.__init__).parameters if n != "self"]
         given = {"transformer": transformer, "vae": vae, "scheduler": scheduler}
         pipe = pipeline(**{name: given.get(name) for name in wanted})
-        adapter = cls.from_pipe(cfg, pipe, torch.device("meta"))
+        adapter = cls.from_pipe(cfg, pipe, torch.device(device))
         adapter._released = True
         size = torch.empty((), dtype=dtype).element_size()
         return adapter, source, size * sum(configs["text_encoders"].values())

@@ -241,7 +241,7 @@ class TinyDigits(ModelAdapter):
 
     @classmethod
     def meta_adapter(
-        cls, cfg: ModelConfig, dtype: torch.dtype, *, blocks: int | None = None
+        cls, cfg: ModelConfig, dtype: torch.dtype, *, blocks: int | dict[str, int] | None = None, device: str = "meta"
     ) -> tuple[TinyDigits, str, int]:
         """The adapter over the transformer built from its config on the meta device (``solrl.stages.memory``)."""
         from diffusers import SanaTransformer2DModel
@@ -253,13 +253,15 @@ class TinyDigits(ModelAdapter):
         root = cls.weights_dir(cfg)
         config = SanaTransformer2DModel.load_config(root / "transformer")
         if blocks is not None:
-            config["num_layers"] = min(blocks, int(config["num_layers"]))
-        with torch.device("meta"), quiet_diffusers():
+            config["num_layers"] = min(
+                blocks if isinstance(blocks, int) else blocks["num_layers"], config["num_layers"]
+            )
+        with torch.device(device), quiet_diffusers():
             transformer = SanaTransformer2DModel.from_config(config).to(dtype)
         transformer.eval().requires_grad_(False)
         adapter = cls(
             transformer=transformer,
-            device=torch.device("meta"),
+            device=torch.device(device),
             latent_shape=(1, IMAGE_SIZE, IMAGE_SIZE),
             shift=cfg.sampler_shift,
             solver=cfg.solver,
