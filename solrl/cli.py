@@ -192,14 +192,22 @@ def _report(store: str, run_id: str, outcome: str = "finished") -> None:
     )
 
 
-def _check_memory(cfg: object, force: bool) -> None:
-    """The memory plan against the device (``solrl.stages.memory.check_memory``), its line on stderr; ``force``
-    also lets the campaign flow past it (``SOLRL_FORCE_MEMORY``). Raises MemoryPlanError (a ConfigError)."""
+def _check_memory(cfg: object, force: bool) -> str:
+    """The memory plan against the device (``solrl.stages.memory.check_memory``); ``force`` also lets the campaign
+    flow past it (``SOLRL_FORCE_MEMORY``), and is said at once on stderr. Returns the plan's line for stdout, once the
+    run has started: an error after the plan stays the one line on stderr.
+
+    Raises:
+        MemoryPlanError: (a ConfigError) the plan does not fit the device and ``force`` is not set.
+    """
     from solrl.stages.memory import FORCE_ENV, check_memory
 
     if force:
         os.environ[FORCE_ENV] = "1"
-    typer.echo(f"solrl: {check_memory(cfg)}", err=True)
+    line = check_memory(cfg)
+    if force and "forced past" in line:
+        typer.echo(f"solrl: warning: {line}", err=True)
+    return line
 
 
 @app.command()
@@ -260,7 +268,7 @@ def run(
 
             check_runnable(cfg)
             run_id = check_run_id(run_id or new_run_id(cfg.name))
-            _check_memory(cfg, force)
+            memory = _check_memory(cfg, force)
             store = open_store(cfg.storage.root)
             store.check(write=True)  # an object store that cannot be used: one line, nothing written anywhere
             _start_prefect_early()  # after the checks: bad input exits at once, with no server to stop
@@ -272,7 +280,7 @@ def run(
             typer.echo(f"solrl: warning: {warning}", err=True)
         typer.echo(
             f"run {created.run_id}: {cfg.campaign.iterations} iterations, explore {cfg.explore.precision} "
-            f"pool {cfg.explore.pool_size} -> keep {cfg.select.k}, store {created.store}"
+            f"pool {cfg.explore.pool_size} -> keep {cfg.select.k}, store {created.store}\n{memory}"
         )
         _launch(created.store, created.run_id)
 
@@ -370,7 +378,7 @@ def resume(
             from solrl.stages.runnable import check_runnable
 
             check_runnable(run_.config, run_.prompts_sha256, run_.weights)
-            _check_memory(run_.config, force)
+            memory = _check_memory(run_.config, force)
             with run_lock(run_.run_dir):  # refuse now, not after Prefect has started, when another process runs it
                 if shards is not None:
                     set_shards(store, run_id, shards)
@@ -388,7 +396,7 @@ def resume(
             )
             return
         _start_prefect_early()
-        typer.echo(f"resuming run {run_id} at iteration {pending[0]}, stage {pending[1]}")
+        typer.echo(f"resuming run {run_id} at iteration {pending[0]}, stage {pending[1]}\n{memory}")
         _launch(run_.store, run_id)
 
 
