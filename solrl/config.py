@@ -97,6 +97,12 @@ class ModelConfig(_Section):
     lora_rank: int = Field(8, ge=1, description="LoRA rank of the trained policy adapter (peft).")
     lora_alpha: float = Field(8.0, gt=0, description="LoRA alpha (scaling = alpha / rank).")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available, else cpu.")
+    dtype: Literal["auto", "bfloat16", "float32"] = Field(
+        "auto",
+        description="Weights dtype of the transformer, VAE and text encoders: auto = bfloat16 on CUDA (BF16 train), "
+        "float32 on CPU (tiny-digits: float32 everywhere). bfloat16 on CPU runs the published precision anywhere "
+        "(slower there; bench/published_size.py), computing under bf16 autocast as on CUDA.",
+    )
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = Field(
         "default",
         description="torch.compile mode of the sampling copies that explore.compile / regenerate.compile compile "
@@ -197,6 +203,15 @@ class TrainConfig(_Section):
         ge=1,
         description="train.launcher=ray: Ray Train workers of the update (ScalingConfig.num_workers), each with one "
         "GPU on CUDA, else one CPU. Layout only, as train.nproc_per_node.",
+    )
+    parallel: Literal["ddp", "fsdp"] = Field(
+        "ddp",
+        description="How a multi-process update (train.nproc_per_node or train.workers > 1) holds the model: ddp = "
+        "every process holds the whole transformer and its LoRA and the gradients are all-reduced (DDP-style); fsdp "
+        "= FSDP2 (torch.distributed.fsdp.fully_shard) shards the frozen base and the LoRA, their gradients and "
+        "AdamW's moments over the processes, each block gathered only while it computes (models too big to "
+        "replicate: `solrl plan`). Layout only: the trained weights are the same within float rounding; one "
+        "process ignores it.",
     )
     gradient_checkpointing: bool = Field(
         False,
@@ -543,6 +558,7 @@ LAYOUT_FIELDS = (
     ("train", "nproc_per_node"),
     ("train", "launcher"),
     ("train", "workers"),
+    ("train", "parallel"),
     ("train", "gradient_checkpointing"),
     ("tracking", "report_every"),
 )

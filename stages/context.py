@@ -105,6 +105,16 @@ class StageContext:
             policy.load_state_dict(name, checkpoint.sections[name] if checkpoint else policy.initial_state)
         return policy
 
+    def prompt_embeddings(self) -> tuple[list[str], Path]:
+        """(the run's training and evaluation prompts, the ``.safetensors`` file of the run store caching their
+        embeddings): named by the model config (its device excluded: the embeddings do not depend on it) and the
+        prompts; one tensor ``<i>/<name>`` per sorted unique prompt ``i`` and conditioning entry (``ModelAdapter
+        .precompute``)."""
+        prompts = self.cfg.train_prompts() + self.cfg.eval_prompts()
+        config = self.cfg.model.model_dump(mode="json", exclude={"device"})
+        digest = hashlib.sha256(json.dumps([config, sorted(set(prompts))], sort_keys=True).encode()).hexdigest()[:16]
+        return prompts, self.run_dir / PROMPT_EMBEDDINGS / f"{self.cfg.model.family}-{digest}.safetensors"
+
     def _load_model(self, encode_prompts: bool) -> ModelAdapter:
         """The model with the run's prompts encoded (``encode_prompts``), its text encoders released.
 
@@ -113,10 +123,7 @@ class StageContext:
         run, every stage after the first), or no prompt is needed, the text encoders are not loaded at all (for
         FLUX.1 the T5-XXL encoder alone is about 9 GB); a cache that turns out unreadable is recomputed with them.
         """
-        prompts = self.cfg.train_prompts() + self.cfg.eval_prompts()
-        config = self.cfg.model.model_dump(mode="json", exclude={"device"})
-        digest = hashlib.sha256(json.dumps([config, sorted(set(prompts))], sort_keys=True).encode()).hexdigest()[:16]
-        cache = self.run_dir / PROMPT_EMBEDDINGS / f"{self.cfg.model.family}-{digest}.safetensors"
+        prompts, cache = self.prompt_embeddings()
         model = load_model(self.cfg.model, self.device, text_encoders=encode_prompts and not cache.exists())
         if encode_prompts:
             try:

@@ -3,7 +3,7 @@
 
 torchrun (``train.launcher=torchrun``, ``train.nproc_per_node`` processes): ``launch_update`` (in the stage's
 process, inside its atomic commit) runs ``torchrun --standalone --nproc-per-node N -m solrl.stages.distributed
-STORE RUN_ID ITERATION OUT``. Each process opens the run from its store, reads the stage's inputs (checksums
+STORE RUN_ID ITERATION OUT LAYOUT``. Each process opens the run from its store, reads the stage's inputs (checksums
 verified), joins the process group (NCCL with one GPU per process, gloo on CPU) and runs ``train_policy`` on its
 rows with the gradients all-reduced before every step; the first process writes the outputs into the stage's
 temporary folder ``OUT`` and its metrics into ``OUT/.update-output.json``, which the launcher reads and removes
@@ -34,6 +34,7 @@ from pathlib import Path
 
 from solrl.processes import die_with_parent
 from solrl.stages.context import StageContext, release_policies
+from solrl.stages.models.policy import Policy
 from solrl.storage.mirror import run_store
 from solrl.storage.stage import StageOutput
 
@@ -71,6 +72,7 @@ def _launch_torchrun(ctx: StageContext, out: Path) -> StageOutput:
         ctx.run_id,
         str(ctx.iteration),
         str(out),
+        json.dumps(train_layout(ctx)),
     ]
     # A session of its own, so a stop (Ctrl-C, SIGTERM, a failed task) takes torchrun *and* its workers down; and
     # SIGTERM to torchrun when this process dies, SIGKILL included (torchrun then stops its workers).
@@ -112,7 +114,12 @@ def _launch_ray(ctx: StageContext, out: Path) -> StageOutput:
     with ray_session(ctx.cfg, workers), tempfile.TemporaryDirectory(prefix="solrl-ray-train-") as storage:
         trainer = TorchTrainer(
             _ray_worker,
-            train_loop_config={"store": store, "run_id": ctx.run_id, "iteration": ctx.iteration},
+            train_loop_config={
+                "store": store,
+                "run_id": ctx.run_id,
+                "iteration": ctx.iteration,
+                "layout": train_layout(ctx),
+            },
             torch_config=TorchConfig(backend="nccl" if cuda else "gloo"),
             scaling_config=ScalingConfig(
                 num_workers=workers, use_gpu=cuda, resources_per_worker={"GPU": 1} if cuda else {"CPU": 1}
@@ -153,7 +160,7 @@ def _ray_worker(config: dict) -> dict | None:
 
     context = ray.train.get_context()
     rank, world = context.get_world_rank(), context.get_world_size()
-    ctx = open_context(config["store"], config["run_id"], int(config["iteration"]))
+    ctx = open_context(config["store"], config["run_id"], int(config["iteration"]), config["layout"])
     if ctx.device.type == "cuda":
         torch.cuda.set_device(ray.train.torch.get_device())
     nodes: list[str | None] = [None] * world
@@ -168,13 +175,57 @@ def _ray_worker(config: dict) -> dict | None:
     return {"files": files, "metrics": output.metrics, "info": output.info, "nodes": nodes}
 
 
-def open_context(store: str, run_id: str, iteration: int) -> StageContext:
+def shard_policy(policy: Policy) -> None:
+    """FSDP2 over the update's process group (``train.parallel=fsdp``), in place: each repeated block of the
+    policy's transformer (``repeated_blocks``, with its LoRA adapters) is one unit, the root (embedders, norms,
+    final layer) another (``torch.distributed.fsdp.fully_shard`` on a 1-D device mesh of every process). The
+    frozen base and the three adapters are sharded along their first dimension; a unit is gathered while it
+    computes, forward and backward, and freed after. Gradients are reduce-scattered as plain sums (divide factor
+    1, sum-only collectives: gloo has no PREMUL_SUM), since each process's loss is already weighted by its share
+    of the rows, as the hand all-reduce of ``train.parallel=ddp`` sums them.
+
+    The loaded model is changed for good: the caller drops it from the process's cache afterwards
+    (``release_policies``). Raises RuntimeError: no initialised process group.
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    from solrl.stages.models.adapter import repeated_blocks
+
+    if not dist.is_initialized():
+        raise RuntimeError("train.parallel=fsdp shards over a process group, and none is initialised")
+    net = policy.transformer
+    mesh = init_device_mesh(policy.model.device.type, (dist.get_world_size(),))
+    for block in repeated_blocks(net):
+        fully_shard(block, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    for module in net.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+
+
+def train_layout(ctx: StageContext) -> dict:
+    """The launching stage's ``train`` layout fields (``solrl.config.LAYOUT_FIELDS``: ``parallel``,
+    ``gradient_checkpointing``, ...), which its processes apply over the run's stored config: a layout may
+    change between the run's start and this update (a resume with other settings)."""
+    from solrl.config import LAYOUT_FIELDS
+
+    return {key: getattr(ctx.cfg.train, key) for section, key in LAYOUT_FIELDS if section == "train"}
+
+
+def open_context(store: str, run_id: str, iteration: int, layout: dict | None = None) -> StageContext:
     """The update's context in a process of its own: the run opened from ``store`` (a path or an object store's
-    URL, whose run this machine then works on through its mirror)."""
+    URL, whose run this machine then works on through its mirror), with the launcher's ``train`` ``layout``
+    (``train_layout``) over its stored config."""
     from solrl.storage.runs import open_run
 
     run = open_run(store, run_id)
-    return StageContext(run.config, run.run_dir, run.run_id, iteration, run.config_hash)
+    cfg = run.config
+    if layout:
+        cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update=layout)})
+    return StageContext(cfg, run.run_dir, run.run_id, iteration, run.config_hash)
 
 
 def train_rank(ctx: StageContext, out: Path | None, rank: int, world: int) -> StageOutput:
@@ -190,13 +241,14 @@ def train_rank(ctx: StageContext, out: Path | None, rank: int, world: int) -> St
 
 
 def main(argv: list[str]) -> None:
-    """One torchrun process: ``STORE RUN_ID ITERATION OUT`` (the environment carries RANK, WORLD_SIZE, ...)."""
+    """One torchrun process: ``STORE RUN_ID ITERATION OUT LAYOUT`` (``LAYOUT``: ``train_layout``'s JSON; the
+    environment carries RANK, WORLD_SIZE, ...)."""
     import torch
     import torch.distributed as dist
 
     store, run_id, iteration, out = argv[0], argv[1], int(argv[2]), Path(argv[3])
     rank, world, local_rank = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
-    ctx = open_context(store, run_id, iteration)
+    ctx = open_context(store, run_id, iteration, json.loads(argv[4]))
     if ctx.device.type == "cuda":
         torch.cuda.set_device(local_rank)  # "cuda" is now this process's GPU
     dist.init_process_group("nccl" if ctx.device.type == "cuda" else "gloo")

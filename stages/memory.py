@@ -40,6 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from solrl.config import ConfigError
+from solrl.stages.models.adapter import repeated_blocks
 
 GIB = 1 << 30
 #: The GPUs the plan is printed for: name -> device memory in GiB (80 GB H100 / A100, 141 GB H200, 192 GB B200).
@@ -221,15 +222,6 @@ class Footprint:
         return asdict(self)
 
 
-def _blocks(transformer: nn.Module) -> list[nn.Module]:
-    """The transformer's repeated blocks: every module of a ``ModuleList`` attribute of the model itself."""
-    found = []
-    for child in transformer.children():
-        if isinstance(child, nn.ModuleList):
-            found.extend(child)
-    return found
-
-
 def _excluded(*modules: nn.Module | None) -> set[int]:
     return {_key(t) for m in modules if m is not None for t in [*m.parameters(), *m.buffers()]}
 
@@ -315,7 +307,7 @@ def measure(
         module_bytes(m)
         for _, m in eligible_layers(net, fmt="nvfp4", skip=adapter.nvfp4_skip, min_dim=cfg.explore.min_dim)
     )
-    repeated = _blocks(net)
+    repeated = repeated_blocks(net)
     largest = max((module_bytes(b) for b in repeated), default=0)
     targets = adapter.lora_targets if isinstance(adapter.lora_targets, str) else list(adapter.lora_targets)
     net.add_adapter(
@@ -466,15 +458,20 @@ def make_plan(
     activations = (f.train_checkpointed if checkpointing else f.train).at(rows)
     trainable = 3 * f.lora  # the policy LoRA's gradients and AdamW's two moments, in the LoRA's own dtype
     if processes > 1:  # the update's own processes load the policy alone (no explore copy, no rewards)
-        update = {"transformer": f.transformer, "LoRA x3": 3 * f.lora}
+        update = {"transformer": f.transformer, "LoRA x3": 3 * f.lora, "VAE": f.vae}
     else:
         update = {**resident, **explore_copy}
+    loading = None
     if parallel == "fsdp" and processes > 1:
-        update["transformer"] = math.ceil(f.transformer / processes) + 2 * f.largest_block
+        # Each process loads the whole pipeline before fully_shard cuts it (solrl.stages.distributed.shard_policy).
+        loading = StageNeed("update load", dict(update))
+        update["transformer"] = math.ceil(f.transformer / processes) + 2 * f.largest_block  # own shard + 2 gathered
         update["LoRA x3"] = math.ceil(3 * f.lora / processes)
         trainable = math.ceil(trainable / processes)
     update |= {"gradients + AdamW": trainable, "activations": activations}
     stages.append(StageNeed("update", update))
+    if loading is not None:
+        stages.append(loading)
     usable = None if device_bytes is None else int(device_bytes * (1 - RESERVE_FRACTION))
     explore_fixed = sum(stages[0].parts.values()) - stages[0].parts["sampling"]
     update_fixed = sum(update.values()) - activations
@@ -494,15 +491,45 @@ def make_plan(
 
 def fixes(cfg: Any, plan: Plan) -> list[str]:
     """What would make ``plan`` fit on its device, each checked against the same measurement: gradient
-    checkpointing, a smaller micro-batch or explore batch, rewards freed between stages."""
+    checkpointing, FSDP over the update's processes (or over 2, 4 or 8 GPUs), a smaller micro-batch or explore
+    batch, rewards freed between stages."""
     over = {s.stage for s in plan.over()}
     found: list[str] = []
-    if "update" in over:
-        if not plan.checkpointing:
-            trial = make_plan(cfg, plan.footprint, plan.device_bytes, checkpointing=True)
-            if "update" not in {s.stage for s in trial.over()}:
-                found.append("train.gradient_checkpointing=true")
-        if plan.largest_micro_batch >= 1:
+
+    def update_fits(trial: Plan) -> bool:
+        return not {"update", "update load"} & {s.stage for s in trial.over()}
+
+    if over & {"update", "update load"}:
+        if not plan.checkpointing and update_fits(
+            make_plan(cfg, plan.footprint, plan.device_bytes, checkpointing=True)
+        ):
+            found.append("train.gradient_checkpointing=true")
+        if plan.parallel != "fsdp" or plan.processes == 1:
+            for processes in sorted({plan.processes, 2, 4, 8} - {1}):
+                for checkpointing in sorted({plan.checkpointing, True}):
+                    trial = make_plan(
+                        cfg,
+                        plan.footprint,
+                        plan.device_bytes,
+                        parallel="fsdp",
+                        processes=processes,
+                        checkpointing=checkpointing,
+                    )
+                    if update_fits(trial):
+                        found.append(
+                            f"train.parallel=fsdp over {processes} GPUs (train.nproc_per_node={processes}, or "
+                            f"train.launcher=ray with train.workers={processes})"
+                            + (
+                                " with train.gradient_checkpointing=true"
+                                if checkpointing and not plan.checkpointing
+                                else ""
+                            )
+                        )
+                        break
+                else:
+                    continue
+                break
+        if plan.largest_micro_batch >= 1 and "update" in over:
             found.append(f"train.micro_batch={plan.largest_micro_batch}")
     if over & {"explore", "regenerate"} and plan.largest_explore_batch >= 1:
         found.append(f"explore.batch_size and regenerate.batch_size at most {plan.largest_explore_batch}")
@@ -645,11 +672,11 @@ def check_memory(cfg: Any, *, force: bool | None = None) -> str:
     import os
 
     from solrl.stages.models import resolve_device
-    from solrl.stages.models.diffusers_family import weights_dtype
+    from solrl.stages.models.adapter import weights_dtype
 
     device_bytes, device = device_memory(cfg)
     force = bool(os.environ.get(FORCE_ENV)) if force is None else force
-    dtype = weights_dtype(resolve_device(cfg.model.device))
+    dtype = weights_dtype(resolve_device(cfg.model.device), cfg.model.dtype)
     try:
         footprint = cached_measure(cfg, dtype)
     except NotImplementedError as exc:

@@ -141,6 +141,12 @@ def train_policy(
         FloatingPointError: a non-finite gradient norm.
     """
     policy = ctx.load_policy(start)
+    if world > 1 and ctx.cfg.train.parallel == "fsdp":
+        from solrl.stages.context import release_policies
+        from solrl.stages.distributed import shard_policy
+
+        release_policies()  # the sharded model is this update's alone: no later stage of the process reuses it
+        shard_policy(policy)
     with _checkpointing(policy, ctx.cfg.train.gradient_checkpointing):
         return _train(ctx, out, policy, samples, rewards, stats, start, rank, world)
 
@@ -178,6 +184,7 @@ def _train(
 ) -> StageOutput:
     """``train_policy``'s steps on the loaded ``policy``."""
     tc, loss_fn = ctx.cfg.train, LOSSES.get(ctx.cfg.train.loss)
+    sharded = world > 1 and tc.parallel == "fsdp"
     adv = advantages(
         ctx, samples.prompts, rewards.totals(samples.candidate_index, ctx.cfg.reward.normalize), stats, out
     )
@@ -201,20 +208,28 @@ def _train(
         for t_index in (trainable[i] for i in chosen):
             for mb in batched(B, tc.micro_batch):
                 part = _rows(mb, rank, world)
+                share = part.stop - part.start
+                if sharded and not share:
+                    # FSDP gathers each block in every process at once: a process with no row of this micro-batch
+                    # still runs the forwards and backward, on the micro-batch's first row at weight 0.
+                    part = slice(mb.start, mb.start + 1)
                 loss, terms, deviation = loss_fn.terms(policy, batch, t_index, mb, g, ctx.cfg, part)
                 if loss is None:  # no row of this micro-batch is this process's
                     continue
                 if not rows:  # before any update in this iteration
                     on_policy_dev = max(on_policy_dev or 0.0, deviation)
-                weight = (part.stop - part.start) / B / n_t
+                weight = share / B / n_t
                 (loss * weight).backward()
                 for key, value in [("loss", loss.item()), *terms.items()]:
                     acc[key] = acc.get(key, 0.0) + value * weight
         if world > 1:
-            acc, deviation_max = _all_reduce(params, acc, (on_policy_dev or 0.0) if not rows else None)
+            # FSDP reduce-scatters the gradients in backward; the terms and the deviation are summed here.
+            grads = [] if sharded else params
+            acc, deviation_max = _all_reduce(grads, acc, (on_policy_dev or 0.0) if not rows else None, ctx.device)
             if not rows:
                 on_policy_dev = deviation_max
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip).item()
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)  # FSDP: the norm of the whole gradient
+        grad_norm = (grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm).item()
         if not np.isfinite(grad_norm):
             raise FloatingPointError(
                 f"iteration {ctx.iteration}: non-finite grad norm {grad_norm}; lower train.lr or check the rewards"
@@ -232,15 +247,15 @@ def _train(
         policy.blend_("ema", "policy", tc.ema_decay)
         rows.append({"optimizer_step": step, **acc, "grad_norm": grad_norm, "rollout_decay": decay, "skipped": 0})
 
+    if out is None and not sharded:
+        return StageOutput()
+    # FSDP: every process gathers the adapters and the optimizer state whole, together; the first one writes them.
+    adapters = {name: policy.state_dict(name) for name in ADAPTERS}
+    tensors, groups = optimizer_to_tensors(opt)
     if out is None:
         return StageOutput()
-    tensors, groups = optimizer_to_tensors(opt)
     TrainedState(
-        {
-            **{name: policy.state_dict(name) for name in ADAPTERS},
-            "optimizer": tensors,
-            "rng": {"update": g.get_state()},
-        },
+        {**adapters, "optimizer": tensors, "rng": {"update": g.get_state()}},
         {"global_step": step, "optimizer_param_groups": groups, "grad_norms": norms},
     ).write(out)
     table = pd.DataFrame(rows)
@@ -277,7 +292,11 @@ def _train(
                 else ""
             )
         )
-    return StageOutput(metrics=metrics, info={"warnings": warnings})
+    info: dict = {"warnings": warnings}
+    if world > 1:  # the layout, as the manifest shows it: FSDP's count of parameters it holds sharded
+        sharded_params = sum(hasattr(p, "device_mesh") for p in policy.transformer.parameters())
+        info["layout"] = {"parallel": tc.parallel, "processes": world, "sharded_parameters": sharded_params}
+    return StageOutput(metrics=metrics, info=info)
 
 
 def _rows(mb: slice, rank: int, world: int) -> slice:
@@ -289,26 +308,28 @@ def _rows(mb: slice, rank: int, world: int) -> slice:
 
 
 def _all_reduce(
-    params: list[torch.nn.Parameter], acc: dict[str, float], deviation: float | None
+    params: list[torch.nn.Parameter], acc: dict[str, float], deviation: float | None, device: torch.device
 ) -> tuple[dict[str, float], float | None]:
-    """Sum the gradients and the weighted loss terms over the processes (each holds its rows' share), and take
-    the largest on-policy deviation; returns (terms, deviation). Gradients travel as one flat buffer."""
+    """Sum the gradients of ``params`` (none under FSDP, which reduced them in backward) and the weighted loss
+    terms over the processes (each holds its rows' share), and take the largest on-policy deviation; returns
+    (terms, deviation). Gradients travel as one flat buffer; ``device`` is the process group's (NCCL: its GPU)."""
     import torch.distributed as dist
 
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([grad.reshape(-1) for grad in grads])
-    dist.all_reduce(flat)
-    offset = 0
-    for p, grad in zip(params, grads, strict=True):
-        p.grad = flat[offset : offset + grad.numel()].view_as(grad).clone()
-        offset += grad.numel()
+    if params:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([grad.reshape(-1) for grad in grads])
+        dist.all_reduce(flat)
+        offset = 0
+        for p, grad in zip(params, grads, strict=True):
+            p.grad = flat[offset : offset + grad.numel()].view_as(grad).clone()
+            offset += grad.numel()
     gathered: list[list[str]] = [[] for _ in range(dist.get_world_size())]
     dist.all_gather_object(gathered, list(acc))  # a process with no rows has no keys
     keys = sorted({k for ks in gathered for k in ks})  # the same order in every process
-    terms = torch.tensor([acc.get(k, 0.0) for k in keys], dtype=torch.float64, device=flat.device)  # NCCL: GPU
+    terms = torch.tensor([acc.get(k, 0.0) for k in keys], dtype=torch.float64, device=device)
     dist.all_reduce(terms)
     if deviation is not None:
-        largest = torch.tensor([deviation], dtype=torch.float64, device=flat.device)
+        largest = torch.tensor([deviation], dtype=torch.float64, device=device)
         dist.all_reduce(largest, op=dist.ReduceOp.MAX)
         deviation = float(largest.item())
     summed = dict(zip(keys, terms.tolist(), strict=True))

@@ -20,22 +20,34 @@ STATE = "state.json"
 
 
 def optimizer_to_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
-    """Flatten an optimizer state dict: tensors ``state.<param index>.<key>`` and JSON param groups."""
+    """Flatten an optimizer state dict: tensors ``state.<param index>.<key>`` and JSON param groups.
+
+    The state of sharded parameters (FSDP2's DTensors) is gathered whole (``full_tensor``), so the checkpoint is
+    the one a single process writes; every process of the group must then call this together."""
     sd = optimizer.state_dict()
     tensors = {}
     for index, state in sd["state"].items():
         for key, value in state.items():
-            tensors[f"state.{index}.{key}"] = torch.as_tensor(value).detach().cpu().contiguous()
+            whole = value.full_tensor() if hasattr(value, "full_tensor") else value
+            tensors[f"state.{index}.{key}"] = torch.as_tensor(whole).detach().cpu().contiguous()
     return tensors, sd["param_groups"]
 
 
 def optimizer_from_tensors(
     optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], param_groups: list[dict[str, Any]]
 ) -> None:
-    """Inverse of ``optimizer_to_tensors``; the optimizer must hold the same parameters in the same order."""
+    """Inverse of ``optimizer_to_tensors``; the optimizer must hold the same parameters in the same order. A
+    sharded parameter's state (FSDP2's DTensor parameters) is cut to this process's shard of it, as the parameter
+    is (every process holds the whole checkpoint, so nothing is sent)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
     state: dict[int, dict[str, torch.Tensor]] = {}
     for name, value in tensors.items():
         _, index, key = name.split(".", 2)
+        param = params[int(index)]
+        if hasattr(param, "device_mesh") and value.shape == param.shape:  # the moments, not AdamW's scalar step
+            from torch.distributed.tensor import distribute_tensor
+
+            value = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
         state.setdefault(int(index), {})[key] = value
     optimizer.load_state_dict({"state": state, "param_groups": param_groups})
 

@@ -61,28 +61,32 @@ def assert_close_trained(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor],
 
 
 def killed_rank_then_resumed(ctx: StageContext, monkeypatch, failure: str):
-    """Process 2 of 2 of ``ctx``'s iteration-1 update killed after it joined: the stage fails with ``failure``,
-    commits nothing and leaves no temporary folder; then the update run again. Returns ``run_stage``'s answer."""
-    monkeypatch.setenv("SOLRL_FAULT", "1:update:rank1")
+    """Process 2 of 2 of ``ctx``'s update killed after it joined: the stage fails with ``failure``, commits
+    nothing and leaves no temporary folder; then the update run again. Returns ``run_stage``'s answer."""
+    monkeypatch.setenv("SOLRL_FAULT", f"{ctx.iteration}:update:rank1")
     with pytest.raises(RuntimeError, match=failure):
         run_stage(ctx, "update")
-    assert read_manifest(ctx.run_dir, 1, "update") is None
-    assert not [p for p in (ctx.run_dir / "iter_000001").iterdir() if ".tmp-" in p.name]
+    assert read_manifest(ctx.run_dir, ctx.iteration, "update") is None
+    assert not [p for p in stage_dir(ctx.run_dir, ctx.iteration, "update").parent.iterdir() if ".tmp-" in p.name]
     monkeypatch.delenv("SOLRL_FAULT")
     return run_stage(ctx, "update")
 
 
-def test_two_processes_on_gloo_train_what_one_process_trains_and_a_killed_process_commits_nothing(
+def test_two_processes_on_gloo_train_what_one_process_trains_ddp_or_fsdp_and_a_killed_process_commits_nothing(
     tmp_path: Path, monkeypatch
 ):
+    """DDP-style (the whole model in each process, gradients all-reduced) trains what one process trains. So does
+    FSDP2 (``train.parallel=fsdp``: the base and the LoRA sharded, here with gradient checkpointing) at iteration 2,
+    which starts from iteration 1's checkpoint (AdamW's moments cut to each process's shard, gathered whole again
+    into the checkpoint); an FSDP process killed after joining commits nothing, and the update run again gives
+    the same weights."""
     cfg = tiny_config(tmp_path, *LAYOUT)
     run = create_run(cfg, "ddp")
     ctx = StageContext(run.config, run.run_dir, run.run_id, 1, run.config_hash)
     for stage in ("explore", "score_explore", "select", "regenerate", "score_regenerate", "update"):
         run_stage(ctx, stage)  # one process
-    one = stage_dir(run.run_dir, 1, "update")
     reference = tmp_path / "one-process"
-    shutil.copytree(one, reference)
+    shutil.copytree(stage_dir(run.run_dir, 1, "update"), reference)
 
     two = StageContext(tiny_config(tmp_path, *LAYOUT, "train.nproc_per_node=2"), run.run_dir, run.run_id, 1)
     assert two.config_key == run.config_hash  # the process count is layout, outside the config hash
@@ -90,15 +94,30 @@ def test_two_processes_on_gloo_train_what_one_process_trains_and_a_killed_proces
     out.mkdir()
     output = launch_update(two, out)
     assert not (out / OUTPUT_FILE).exists() and output.metrics["train/global_step"] == 2
+    assert output.info["layout"] == {"parallel": "ddp", "processes": 2, "sharded_parameters": 0}
     assert_same_update(out, reference)
 
-    # Process 2 of 2 killed after joining: torchrun stops the other, the stage commits nothing and leaves no
-    # temporary folder; the update run again gives the same weights.
-    manifest = read_manifest(run.run_dir, 1, "update")
+    run_stage(ctx, "checkpoint")
+    second = StageContext(run.config, run.run_dir, run.run_id, 2, run.config_hash)
+    for stage in ("explore", "score_explore", "select", "regenerate", "score_regenerate", "update"):
+        run_stage(second, stage)  # one process
+    one = stage_dir(run.run_dir, 2, "update")
+    reference = tmp_path / "one-process-2"
+    shutil.copytree(one, reference)
+    manifest = read_manifest(run.run_dir, 2, "update")
     shutil.rmtree(one)
-    resumed, skipped = killed_rank_then_resumed(two, monkeypatch, "update under torchrun \\(2 processes\\) failed")
+    sharded_cfg = tiny_config(
+        tmp_path, *LAYOUT, "train.nproc_per_node=2", "train.parallel=fsdp", "train.gradient_checkpointing=true"
+    )
+    sharded = StageContext(sharded_cfg, run.run_dir, run.run_id, 2)
+    assert sharded.config_key == run.config_hash  # FSDP and checkpointing are layout too
+    # FSDP process 2 of 2 killed after joining: torchrun stops the other, the stage commits nothing and leaves no
+    # temporary folder; the update run again gives the same weights.
+    resumed, skipped = killed_rank_then_resumed(sharded, monkeypatch, "update under torchrun \\(2 processes\\) failed")
     assert not skipped and resumed.inputs_hash == manifest.inputs_hash
-    assert_same_update(one, reference)
+    assert resumed.info["layout"]["parallel"] == "fsdp" and resumed.info["layout"]["sharded_parameters"] > 0
+    assert resumed.metrics["train/global_step"] == 4
+    assert_same_update(one, reference, steps=4)  # the LoRA and AdamW's moments whole: the one-process checkpoint
 
 
 def test_two_processes_train_what_one_trains_with_the_flow_grpo_loss_too(tmp_path: Path):
@@ -119,10 +138,11 @@ def test_two_ray_train_workers_train_what_one_process_trains_and_a_killed_worker
     tmp_path: Path, monkeypatch
 ):
     """``train.launcher=ray`` on a local Ray instance started for the update (the 2-node test in
-    ``test_object_store`` runs it across nodes): the two workers' weights equal one process's within the torchrun
-    tolerances, and a worker killed after joining fails the stage, which commits nothing. Another Ray cluster
-    runs on this machine meanwhile, as a ``ray start`` would: without ``address="local"``, ``ray.init`` joins the
-    cluster it last started (``/tmp/ray/ray_current_cluster``) and refuses the local instance's CPU count."""
+    ``test_object_store`` runs it across nodes), here with ``train.parallel=fsdp``: the two workers' weights equal
+    one process's within the torchrun tolerances, and a worker killed after joining fails the stage, which commits
+    nothing. Another Ray cluster runs on this machine meanwhile, as a ``ray start`` would: without
+    ``address="local"``, ``ray.init`` joins the cluster it last started (``/tmp/ray/ray_current_cluster``) and
+    refuses the local instance's CPU count."""
     from ray.cluster_utils import Cluster
 
     other = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
@@ -143,12 +163,13 @@ def _ray_train_update_then_kill(tmp_path: Path, monkeypatch) -> None:
     shutil.copytree(stage_dir(run.run_dir, 1, "update"), reference)
     shutil.rmtree(stage_dir(run.run_dir, 1, "update"))
 
-    ray_cfg = tiny_config(tmp_path, *LAYOUT, "train.launcher=ray", "train.workers=2")
+    ray_cfg = tiny_config(tmp_path, *LAYOUT, "train.launcher=ray", "train.workers=2", "train.parallel=fsdp")
     two = StageContext(ray_cfg, run.run_dir, run.run_id, 1, run.config_hash)
     # the local Ray instance's workers inherit the fault from this process's environment
     trained, skipped = killed_rank_then_resumed(two, monkeypatch, "update on Ray Train \\(2 workers\\) failed")
     assert not skipped and trained.inputs_hash == manifest.inputs_hash
     assert len(trained.info["nodes"]) == 2 and all(n.startswith("ray:") for n in trained.info["nodes"])
+    assert trained.info["layout"]["parallel"] == "fsdp" and trained.info["layout"]["sharded_parameters"] > 0
     assert (
         trained.metrics["train/global_step"] == 2 and not (stage_dir(run.run_dir, 1, "update") / OUTPUT_FILE).exists()
     )

@@ -194,7 +194,7 @@ class FlowGRPO(PolicyLoss):
         sigma, sigma_next = batch.sigmas[t_index].expand(n), batch.sigmas[t_index + 1].expand(n)
         sigma_max = float(batch.sigmas[1])
         cond = select_rows(batch.cond, mb)
-        with compute_precision(x_t.device):
+        with compute_precision(x_t.device, policy.transformer.dtype):
             v = policy.velocity("policy", x_t, sigma, cond)
             with torch.no_grad():
                 v_ref = policy.velocity("reference", x_t, sigma, cond) if tc.kl_beta else None

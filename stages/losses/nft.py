@@ -113,7 +113,7 @@ class NFT(PolicyLoss):
         tb = t.reshape(-1, *([1] * (x0.ndim - 1)))  # [B, 1, ...]: images and videos
         x_t = (1 - tb) * x0 + tb * eps
         cond = select_rows(batch.cond, part)
-        with compute_precision(x0.device):
+        with compute_precision(x0.device, policy.transformer.dtype):
             v_theta = policy.velocity("policy", x_t, t, cond)
             with torch.no_grad():
                 v_old = policy.velocity("rollout", x_t, t, cond)

@@ -40,11 +40,41 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def repeated_blocks(transformer: nn.Module) -> list[nn.Module]:
+    """The transformer's repeated blocks: every module of a ``ModuleList`` attribute of the model itself (FLUX's
+    ``transformer_blocks`` and ``single_transformer_blocks``, SANA's ``transformer_blocks``, ...): the units the
+    memory plan counts and FSDP shards."""
+    found = []
+    for child in transformer.children():
+        if isinstance(child, nn.ModuleList):
+            found.extend(child)
+    return found
+
+
+def weights_dtype(device: torch.device, dtype: str = "auto") -> torch.dtype:
+    """The weights' dtype for ``model.dtype``: ``auto`` = bfloat16 on CUDA (BF16 train, DESIGN 1), float32 on CPU.
+
+    Raises:
+        ValueError: ``dtype`` is not auto, bfloat16 or float32 (the config schema refuses it first).
+    """
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in ("bfloat16", "float32"):
+        raise ValueError(f"model.dtype={dtype!r}: choose auto, bfloat16 or float32")
+    return getattr(torch, dtype)
+
+
 @contextmanager
-def compute_precision(device: torch.device) -> Iterator[None]:
-    """bf16 autocast on CUDA (BF16 train); float32 on CPU, where bf16 matmuls are slow and not the target."""
-    ctx = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
-    with ctx:
+def compute_precision(device: torch.device, dtype: torch.dtype | None = None) -> Iterator[None]:
+    """bf16 autocast on CUDA (BF16 train), and on CPU where the weights are bfloat16 (``model.dtype=bfloat16``);
+    float32 otherwise (CPU's default, where bf16 matmuls are slow and not the target).
+
+    Args:
+        device: where the computation runs.
+        dtype: the weights' dtype (the transformer's); None = float32 weights.
+    """
+    bf16 = device.type == "cuda" or dtype == torch.bfloat16
+    with torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext():
         yield
 
 

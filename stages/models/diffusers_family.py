@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from solrl.config import ConfigError, ModelConfig, RunConfig
-from solrl.stages.models.adapter import Conditioning, ModelAdapter
+from solrl.stages.models.adapter import Conditioning, ModelAdapter, weights_dtype
 from solrl.storage.stage import plain_modes
 from solrl.weights import PIPELINE_FILES, PublishedWeights, hub_download, pipeline_dir, published_weights
 
@@ -52,11 +52,6 @@ def quiet_diffusers() -> Iterator[None]:
         yield
     finally:
         diffusers_logging.set_verbosity(level)
-
-
-def weights_dtype(device: torch.device) -> torch.dtype:
-    """bfloat16 weights on CUDA (BF16 train, DESIGN 1), float32 on CPU."""
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
 def solrl_cache() -> Path:
@@ -132,7 +127,9 @@ class DiffusersFamily(ModelAdapter):
         quiet_loading()
         source = cfg.path if hub_download(cfg.path) else cls.weights_dir(cfg)  # a hub id downloads (online only)
         skipped = {} if text_encoders else dict.fromkeys(cls.text_encoder_names)  # None: diffusers loads nothing
-        pipe = getattr(diffusers, cls.pipeline_class).from_pretrained(source, dtype=weights_dtype(device), **skipped)
+        pipe = getattr(diffusers, cls.pipeline_class).from_pretrained(
+            source, dtype=weights_dtype(device, cfg.dtype), **skipped
+        )
         pipe.set_progress_bar_config(disable=True)
         pipe.to(device)
         adapter = cls.from_pipe(cfg, pipe, device)
@@ -227,12 +224,13 @@ class DiffusersFamily(ModelAdapter):
         if issubclass(cls, TinyFamily):
             build_once(cls, cls.weights_dir(cfg))  # type: ignore[arg-type]
         configs, source = cls.pipeline_configs(cfg)
-        transformer_config = dict(configs["transformer"]["config"])
+        original = configs["transformer"]["config"]
+        transformer_config = dict(original)
         if blocks is not None:
             cuts = blocks if isinstance(blocks, dict) else dict.fromkeys(cls.depth_keys, blocks)
             for key, count in cuts.items():
                 transformer_config[key] = min(count, int(transformer_config[key]))
-            cls.cut_depth(transformer_config)
+            cls.cut_depth(transformer_config, original)
         with torch.device(device), quiet_diffusers():
             transformer = getattr(diffusers, configs["transformer"]["class"]).from_config(transformer_config)
             vae = getattr(diffusers, configs["vae"]["class"]).from_config(configs["vae"]["config"])
@@ -254,8 +252,9 @@ class DiffusersFamily(ModelAdapter):
         return adapter, source, size * sum(configs["text_encoders"].values())
 
     @classmethod
-    def cut_depth(cls, config: dict[str, Any]) -> None:
-        """Keep the rest of a transformer config consistent after ``depth_keys`` were cut (in place)."""
+    def cut_depth(cls, config: dict[str, Any], original: dict[str, Any]) -> None:
+        """Keep the rest of a transformer config consistent after ``depth_keys`` were cut (``config``, in place)
+        from ``original``, the full-depth config."""
 
     def conditioning_like(self, batch: int) -> Conditioning:
         """Conditioning of ``batch`` prompts with the keys, shapes and dtypes ``_encode`` gives (every text token

@@ -88,7 +88,12 @@ class Policy:
             p.mul_(decay).add_(source[key], alpha=1.0 - decay)
 
     def state_dict(self, name: str) -> dict[str, torch.Tensor]:
-        return {k: p.detach().cpu().clone() for k, p in self.adapter_params(name).items()}
+        """Adapter ``name``'s tensors, on the CPU. Sharded parameters (FSDP2's DTensors, ``shard_policy``) are
+        gathered whole: every process of the group must then call this together."""
+        return {
+            k: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().clone()
+            for k, p in self.adapter_params(name).items()
+        }
 
     @torch.no_grad()
     def load_state_dict(self, name: str, state: dict[str, torch.Tensor]) -> None:

@@ -62,10 +62,13 @@ class SD3(DiffusersFamily):
     extra_text_tokens: ClassVar[int] = 77  # the two CLIPs' tokens ahead of T5's
 
     @classmethod
-    def cut_depth(cls, config: dict) -> None:
-        """SD3.5-medium's MMDiT-X blocks (``dual_attention_layers``) kept where they are still in the depth."""
-        layers = config.get("dual_attention_layers") or ()
-        config["dual_attention_layers"] = tuple(i for i in layers if i < config["num_layers"])
+    def cut_depth(cls, config: dict, original: dict) -> None:
+        """SD3.5-medium's MMDiT-X blocks (``dual_attention_layers``, 13 of 24) kept in proportion to the depth
+        kept (at least one while any is), the first ones, so that a cut model has both kinds of block and the
+        depth check's extrapolation from it meets the full depth's mix."""
+        layers = sorted(i for i in original.get("dual_attention_layers") or () if i < original["num_layers"])
+        kept = round(len(layers) * config["num_layers"] / original["num_layers"]) if layers else 0
+        config["dual_attention_layers"] = tuple(layers[: max(kept, 1 if layers else 0)])
 
     def _encode(self, prompts: list[str]) -> Conditioning:
         """``emb`` ``[B, 77 + L, D]`` (the two CLIPs' penultimate states, padded to the T5 width, then T5) and

@@ -220,12 +220,13 @@ class TinyDigits(ModelAdapter):
         root = cls.weights_dir(cfg)
         from diffusers import SanaTransformer2DModel
 
-        transformer = SanaTransformer2DModel.from_pretrained(root / "transformer").to(device)
+        dtype = torch.float32 if cfg.dtype == "auto" else getattr(torch, cfg.dtype)  # a CPU model: float32 by default
+        transformer = SanaTransformer2DModel.from_pretrained(root / "transformer").to(device, dtype)
         text_encoder = None
         if text_encoders:
             text_encoder = TinyTextEncoder()
             text_encoder.load_state_dict(load_file(root / "text_encoder.safetensors"))
-            text_encoder.to(device).eval().requires_grad_(False)
+            text_encoder.to(device, dtype).eval().requires_grad_(False)
         adapter = cls(
             transformer=transformer,
             device=device,

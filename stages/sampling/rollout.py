@@ -47,7 +47,7 @@ def generate(
         cond = model.encode(list(prompts[chunk]))
 
         def velocity(x: torch.Tensor, sigma: torch.Tensor, cond: Conditioning = cond) -> torch.Tensor:
-            with compute_precision(model.device):
+            with compute_precision(model.device, model.transformer.dtype):
                 return model.velocity(net, x, sigma, cond)
 
         if noise_level > 0:
