@@ -58,6 +58,8 @@ def test_a_tiny_family_is_built_saved_and_loaded_through_its_adapter(tmp_path: P
     assert images.shape == ((3, 5, 32, 32, 3) if model.frames else (3, 32, 32, 3)) and images.dtype.name == "uint8"
     sigmas = model.sigmas(4)
     assert sigmas.shape == (5,) and sigmas[0] == 1 and sigmas[-1] == 0 and (sigmas.diff() < 0).all()
+    # One step (explore.steps=1) is [1, 0]: Qwen-Image's terminal stretch gave [nan, 0] (bench/published_size.py).
+    assert model.sigmas(1).tolist() == [1.0, 0.0]
 
 
 def _stock_pipeline_latents(pipe, family: str, prompt: str, noise: torch.Tensor, steps: int) -> torch.Tensor:

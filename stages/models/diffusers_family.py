@@ -309,6 +309,10 @@ class DiffusersFamily(ModelAdapter):
         from diffusers import FlowMatchEulerDiscreteScheduler
         from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
+        if steps == 1:
+            # One step from pure noise: every shift maps sigma 1 to 1. The scheduler's terminal stretch
+            # (``shift_terminal``: Qwen-Image's 0.02) divides by 1 - sigma_last = 0 there and gives NaN.
+            return torch.tensor([1.0, 0.0], device=self.device)
         scheduler = FlowMatchEulerDiscreteScheduler.from_config(self.pipe.scheduler.config)
         config = scheduler.config
         mu = calculate_shift(
