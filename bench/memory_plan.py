@@ -3,9 +3,9 @@
 For each preset the transformer and VAE are built from their published configs (shipped in
 ``solrl/stages/models/published/``) on PyTorch's meta device, in bfloat16 as they load on a GPU, and measured through
 the family's own ``velocity`` and ``vae_decode`` (``solrl.stages.memory``). The tables give, per GPU size and
-update layout (one process, DDP-style replication; the same with gradient checkpointing; and the FSDP what-if of
-the frozen base and LoRA sharded over 8 processes, which ``train.parallel`` does not offer yet), each stage's peak
-on one device and the largest explore batch and training micro-batch that fit.
+update layout (one process, DDP-style replication; the same with gradient checkpointing; FSDP over 8 processes,
+``train.parallel=fsdp``, with and without checkpointing), each stage's peak on one device and the largest explore
+batch and training micro-batch that fit.
 
 Two checks, printed after the tables:
 
@@ -44,6 +44,15 @@ PRESETS = [
     "z-image-turbo",
     "wan21-t2v-1.3b",
     "wan21-t2v-14b",
+]
+
+
+#: The update layouts of the table: label -> ``make_plan`` keywords.
+LAYOUTS = [
+    ("ddp x 1", {"parallel": "ddp", "processes": 1, "checkpointing": False}),
+    ("ddp x 1, checkpointing", {"parallel": "ddp", "processes": 1, "checkpointing": True}),
+    ("fsdp x 8", {"parallel": "fsdp", "processes": 8, "checkpointing": False}),
+    ("fsdp x 8, checkpointing", {"parallel": "fsdp", "processes": 8, "checkpointing": True}),
 ]
 
 
@@ -106,7 +115,8 @@ def main() -> None:
         "",
         f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; "
         "counted on the meta device from the published configs (bf16 weights), fused attention. Peak per device, "
-        "in GiB; `-` = does not fit. `fsdp x 8` is a what-if (train.parallel is not built yet).",
+        "in GiB; `-` = does not fit; FSDP rows add, in brackets, each process's peak while it loads the whole "
+        "pipeline before `fully_shard` cuts it. The micro-batch is the whole update's (rows split over the processes).",
         "",
     ]
     components = [
@@ -115,7 +125,7 @@ def main() -> None:
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     header = "| preset | layout | " + " | ".join(f"{name} explore / regen / update" for name in GPU_SIZES)
-    header += " | largest explore batch / micro-batch (80 GB) |"
+    header += " | largest explore batch / micro-batch (" + ", ".join(GPU_SIZES) + ") |"
     table = [header, "| --- | --- | " + " | ".join("---" for _ in GPU_SIZES) + " | --- |"]
     checks = [
         "| preset | saved, full depth (counted) | extrapolated from 2 and 4 blocks | difference |",
@@ -135,27 +145,16 @@ def main() -> None:
             f"{size(f.train_checkpointed.per_sample)} | {size(f.sample.per_sample)} | {size(f.decode.per_sample)} | "
             f"{seconds:.1f} s |"
         )
-        for label, kwargs in (
-            ("ddp x 1", {"parallel": "ddp", "processes": 1, "checkpointing": False}),
-            ("ddp x 1, checkpointing", {"parallel": "ddp", "processes": 1, "checkpointing": True}),
-            ("fsdp x 8, checkpointing (what-if)", {"parallel": "fsdp", "processes": 8, "checkpointing": True}),
-        ):
-            cells = []
+        for label, kwargs in LAYOUTS:
+            cells, largest = [], []
             for gib in GPU_SIZES.values():
                 plan = make_plan(cfg, f, int(gib * GIB), **kwargs)
                 usable = plan.usable
-                cells.append(
-                    " / ".join(
-                        f"{s.total / GIB:.0f}" if s.total <= usable else "-"
-                        for s in plan.stages
-                        if s.stage in ("explore", "regenerate", "update")
-                    )
-                )
-            p80 = make_plan(cfg, f, int(80 * GIB), **kwargs)
-            table.append(
-                f"| {preset} | {label} | " + " | ".join(cells) + f" | {p80.largest_explore_batch} / "
-                f"{p80.largest_micro_batch} |"
-            )
+                peaks = {s.stage: (f"{s.total / GIB:.0f}" if s.total <= usable else "-") for s in plan.stages}
+                cell = " / ".join(peaks[stage] for stage in ("explore", "regenerate", "update"))
+                cells.append(cell + (f" ({peaks['update load']})" if "update load" in peaks else ""))
+                largest.append(f"{plan.largest_explore_batch} / {plan.largest_micro_batch}")
+            table.append(f"| {preset} | {label} | " + " | ".join(cells) + " | " + "; ".join(largest) + " |")
         counted, predicted = extrapolation_check(cfg)
         checks.append(
             f"| {preset} | {size(counted)} | {size(predicted)} | {100 * (predicted - counted) / counted:+.1f}% |"

@@ -477,6 +477,13 @@ def make_plan(
     update_fixed = sum(update.values()) - activations
     train_linear = f.train_checkpointed if checkpointing else f.train
     big = 1 << 20
+    largest_explore = big
+    if usable is not None:
+        room = usable - explore_fixed
+        largest_explore = f.sample.largest(room)
+        decodable = f.decode.largest(room)  # images decode in chunks of min(DECODE_BATCH, batch)
+        if decodable < DECODE_BATCH:
+            largest_explore = min(largest_explore, decodable)
     return Plan(
         footprint=f,
         parallel=parallel,
@@ -484,7 +491,7 @@ def make_plan(
         checkpointing=checkpointing,
         device_bytes=device_bytes,
         stages=stages,
-        largest_explore_batch=big if usable is None else f.sample.largest(usable - explore_fixed),
+        largest_explore_batch=largest_explore,
         largest_micro_batch=big if usable is None else train_linear.largest(usable - update_fixed) * processes,
     )
 

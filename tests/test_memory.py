@@ -94,6 +94,18 @@ def test_the_plan_adds_up_and_its_largest_batches_fit_exactly(digits_footprint):
     assert "update" not in {s.stage for s in fits.over()} and "update" in {s.stage for s in over.over()}
 
 
+def test_fsdp_shards_the_update_over_its_processes_after_loading_the_whole_base(digits_footprint):
+    cfg, footprint = digits_footprint
+    stages = {s.stage: s for s in make_plan(cfg, footprint, 64 << 20, parallel="fsdp", processes=4).stages}
+    assert stages["update load"].parts["transformer"] == footprint.transformer  # before fully_shard cuts it
+    update = stages["update"].parts
+    assert update["transformer"] == -(-footprint.transformer // 4) + 2 * footprint.largest_block
+    assert update["LoRA x3"] == -(-3 * footprint.lora // 4) and update["gradients + AdamW"] == -(
+        -3 * footprint.lora // 4
+    )
+    assert update["activations"] == footprint.train.at(-(-cfg.train.micro_batch // 4))  # each process's rows
+
+
 def test_a_plan_over_the_device_refuses_with_the_numbers_and_the_fix(digits_footprint, monkeypatch, tmp_path):
     cfg, _ = digits_footprint
     monkeypatch.setenv(DEVICE_MEMORY_ENV, "0.01")  # 10 MiB: the 64-sample micro-batch's activations do not fit
@@ -102,6 +114,8 @@ def test_a_plan_over_the_device_refuses_with_the_numbers_and_the_fix(digits_foot
     message = str(err.value)
     assert "update needs" in message and "activations" in message and "9.5 MiB usable of 10.2 MiB" in message
     assert "train.gradient_checkpointing=true" in message or "train.micro_batch=" in message
+    # Sharding the update over 8 processes with checkpointing brings its activations and state under the device.
+    assert "train.parallel=fsdp over 8 GPUs (train.nproc_per_node=8" in message
     assert "--force" in message
     assert "forced past" in check_memory(cfg, force=True)
     monkeypatch.delenv(DEVICE_MEMORY_ENV)
@@ -167,3 +181,28 @@ def test_gradient_checkpointing_trains_the_same_lora(tmp_path):
     again = TrainedState.read(out / TrainedState.filename)
     for name in ("policy", "rollout", "ema"):
         torch.testing.assert_close(again.sections[name], eager.sections[name], rtol=1e-5, atol=1e-6)
+
+
+def test_the_largest_explore_batch_fits_exactly_with_its_vae_decode():
+    """Explore decodes in chunks of up to ``DECODE_BATCH`` images: a VAE family's largest explore batch is bounded
+    by the decode's working set as well as by the transformer's (tiny-flux, on devices cut to 1, 3 and 20 images)."""
+    import math
+
+    from solrl.stages.memory import RESERVE_FRACTION
+    from solrl.stages.models.diffusers_family import DECODE_BATCH
+
+    cfg = load_config("tiny-flux", ["model.device=cpu"])
+    footprint = measure(cfg, weights_dtype=torch.float32)
+    explore = make_plan(cfg, footprint, None).stages[0]
+    fixed = explore.total - explore.parts["sampling"]
+
+    def explore_fits(batch: int, device: int) -> bool:
+        sized = cfg.model_copy(update={"explore": cfg.explore.model_copy(update={"batch_size": batch})})
+        return "explore" not in {s.stage for s in make_plan(sized, footprint, device).over()}
+
+    assert footprint.decode.per_sample > 0
+    for batch in (1, 3, 20):
+        sampling = max(footprint.sample.at(batch), footprint.decode.at(min(DECODE_BATCH, batch)))
+        device = math.ceil((fixed + sampling) / (1 - RESERVE_FRACTION)) + 1
+        largest = make_plan(cfg, footprint, device).largest_explore_batch
+        assert largest >= batch and explore_fits(largest, device) and not explore_fits(largest + 1, device), batch
