@@ -127,6 +127,13 @@ class ExploreConfig(_Section):
         description="Emulated backends: one activation tensor scale per sample (a candidate does not depend on the "
         "batch it was sampled in) or per forward call (the whole batch's amax, as Transformer Engine does).",
     )
+    keep_copy: Literal["device", "host", "none"] = Field(
+        "host",
+        description="Where the low-precision explore copy stays outside explore: host (moved to CPU memory, moved "
+        "back and synced at the next explore; the GPU holds it during explore only), device (resident through score, "
+        "regenerate and update; no transfer), none (freed, rebuilt at the next explore). Transformer Engine copies "
+        "live on the GPU only: host frees them as none does. Changes no result.",
+    )
     compile: bool = Field(
         False,
         description="Sample with the explore copy's transformer blocks compiled (torch.compile, model.compile_mode); "
@@ -553,6 +560,7 @@ def _registered(registry: Any, name: str, field: str) -> Any:
 #: be resumed with other values (``campaign.shards``).
 LAYOUT_FIELDS = (
     ("campaign", "shards"),
+    ("explore", "keep_copy"),
     ("campaign", "task_runner"),
     ("campaign", "task_runner_address"),
     ("train", "nproc_per_node"),

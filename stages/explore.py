@@ -62,6 +62,7 @@ def explore(ctx: StageContext, out: Path, start: StartingPolicy | None, *, shard
         mode=ctx.cfg.model.compile_mode,
         min_dim=cfg.min_dim,
         activation_scale=cfg.activation_scale,
+        keep_copy=cfg.keep_copy,
     ) as (net, compiled):
         traj = generate(
             policy.model,

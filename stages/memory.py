@@ -189,6 +189,9 @@ class Footprint:
         transformer: the frozen base transformer's parameters and buffers, in the weights' dtype.
         lora: one LoRA adapter (the policy holds three: policy, rollout, EMA).
         quantizable: bytes of the base's layers the explore copy quantizes (the Sol-RL skip rule applied).
+        explore_copy: bytes each registered explore backend's copy holds beyond the policy, by
+            ``explore.precision`` (``ExploreBackend.copy_bytes``: the emulated copies built on the meta device and
+            their own tensors summed; Transformer Engine's counted from its storage layout).
         largest_block: the largest repeated block's parameters (the unit FSDP gathers).
         blocks: repeated transformer blocks.
         vae, text_encoders: the other components' parameters (text encoders: loaded only to encode the prompts
@@ -206,6 +209,7 @@ class Footprint:
     transformer: int
     lora: int
     quantizable: int
+    explore_copy: dict[str, int]
     largest_block: int
     blocks: int
     vae: int
@@ -296,7 +300,8 @@ def measure(
     """
     from peft import LoraConfig
 
-    from solrl.registry import MODELS
+    import solrl.stages.quant.backends  # noqa: F401  (registers the explore backends)
+    from solrl.registry import EXPLORE_BACKENDS, MODELS
     from solrl.stages.quant.nvfp4 import eligible_layers
 
     family = MODELS.get(cfg.model.family)
@@ -315,6 +320,10 @@ def measure(
     )
     net.set_adapter("policy")
     lora = module_bytes(net) - base
+    explore_copy = {
+        name: EXPLORE_BACKENDS.get(name).copy_bytes(net, adapter.nvfp4_skip, cfg.explore.min_dim)
+        for name in EXPLORE_BACKENDS.names()
+    }
     train = [train_bytes(adapter, b, False) for b in (1, 2)]
     checkpointed = _linear(lambda b: train_bytes(adapter, b, True)[0])
     return Footprint(
@@ -323,6 +332,7 @@ def measure(
         transformer=base,
         lora=lora,
         quantizable=quantizable,
+        explore_copy=explore_copy,
         largest_block=largest,
         blocks=len(repeated),
         vae=module_bytes(getattr(getattr(adapter, "pipe", None), "vae", None)),
@@ -337,10 +347,6 @@ def measure(
 
 
 # -- the plan ------------------------------------------------------------------------------------------------------
-#: Bytes the explore copy keeps per byte of the base's quantizable layers, by ``explore.precision``: the emulated
-#: copies keep the weight and its fake-quantized twin in the weights' dtype; Transformer Engine keeps the bf16
-#: weight and its quantized workspace (FP4 E2M1 + one E4M3 scale per 16: 0.5625 bytes a weight; FP8: 1 byte).
-EXPLORE_COPY_FACTOR = {"bf16": 0.0, "nvfp4_emulated": 2.0, "fp8_emulated": 2.0, "nvfp4": 1.28125, "fp8": 1.5}
 #: Published parameter counts of the rewards' models (their weights files are not read for the plan).
 REWARD_PARAMETERS = {
     "pickscore": 986_000_000,  # CLIP ViT-H/14
@@ -427,11 +433,11 @@ def make_plan(
     f = footprint
     kept, scored = rewards_bytes(cfg)
     policy = {"transformer": f.transformer, "LoRA x3": 3 * f.lora}
-    copy = int(f.quantizable * EXPLORE_COPY_FACTOR.get(cfg.explore.precision, 2.0))
-    if copy and cfg.explore.precision != "bf16":
-        copy += f.transformer - f.quantizable  # the copy's layers left in high precision
+    copy = f.explore_copy.get(cfg.explore.precision, 0)
     resident = {**policy, "VAE": f.vae, **({"rewards kept loaded": kept} if kept else {})}
     explore_copy = {"explore copy": copy} if copy else {}
+    # Outside explore the copy is resident only with explore.keep_copy=device (host / none: moved out or freed).
+    kept_copy = explore_copy if cfg.explore.keep_copy == "device" else {}
     from solrl.stages.models.diffusers_family import DECODE_BATCH
 
     decode_batch = min(DECODE_BATCH, cfg.explore.batch_size)
@@ -444,12 +450,12 @@ def make_plan(
                 "sampling": max(f.sample.at(cfg.explore.batch_size), f.decode.at(decode_batch)),
             },
         ),
-        StageNeed("score", {**resident, **explore_copy, "rewards while scoring": scored}),
+        StageNeed("score", {**resident, **kept_copy, "rewards while scoring": scored}),
         StageNeed(
             "regenerate",
             {
                 **resident,
-                **explore_copy,
+                **kept_copy,
                 "sampling": max(f.sample.at(cfg.regenerate.batch_size), f.decode.at(decode_batch)),
             },
         ),
@@ -460,7 +466,7 @@ def make_plan(
     if processes > 1:  # the update's own processes load the policy alone (no explore copy, no rewards)
         update = {"transformer": f.transformer, "LoRA x3": 3 * f.lora, "VAE": f.vae}
     else:
-        update = {**resident, **explore_copy}
+        update = {**resident, **kept_copy}
     loading = None
     if parallel == "fsdp" and processes > 1:
         # Each process loads the whole pipeline before fully_shard cuts it (solrl.stages.distributed.shard_policy).
@@ -633,7 +639,7 @@ def _cache_key(cfg: Any, dtype: torch.dtype) -> str:
         stamp = config.stat().st_mtime_ns if config.is_file() else 0
     except ConfigError:
         stamp = 0
-    payload = [cfg.model.model_dump(mode="json", exclude={"device"}), cfg.explore.min_dim, str(dtype), stamp, 1]
+    payload = [cfg.model.model_dump(mode="json", exclude={"device"}), cfg.explore.min_dim, str(dtype), stamp, 2]
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:20]
 
 

@@ -94,6 +94,33 @@ def test_the_plan_adds_up_and_its_largest_batches_fit_exactly(digits_footprint):
     assert "update" not in {s.stage for s in fits.over()} and "update" in {s.stage for s in over.over()}
 
 
+def test_the_explore_copy_is_resident_outside_explore_only_with_keep_copy_device(digits_footprint):
+    cfg, footprint = digits_footprint
+    copy = footprint.explore_copy[cfg.explore.precision]
+    assert 0 < copy < 0.6 * footprint.quantizable and footprint.explore_copy["bf16"] == 0
+    for keep, elsewhere in (("device", True), ("host", False), ("none", False)):
+        trial = cfg.model_copy(update={"explore": cfg.explore.model_copy(update={"keep_copy": keep})})
+        stages = {s.stage: s.parts for s in make_plan(trial, footprint, 64 << 20).stages}
+        assert stages["explore"]["explore copy"] == copy
+        for stage in ("score", "regenerate", "update"):
+            assert ("explore copy" in stages[stage]) == elsewhere, (keep, stage)
+
+
+@pytest.mark.parametrize("preset", ["flux2-dev", "qwen-image"])
+def test_published_nvfp4_copies_hold_at_most_035x_of_the_transformer(preset):
+    """The published configs at two blocks of each kind (the ratio is the blocks'): every NVFP4 copy, emulated
+    (measured from the copy built on the meta device) or Transformer Engine's (counted), is <= 0.35x the bf16
+    transformer, and FP8's <= 0.6x."""
+    footprint = measure(load_config(preset), blocks=2)
+    copies = footprint.explore_copy
+    assert 0 < copies["nvfp4"] <= 0.35 * footprint.transformer and 0 < copies["nvfp4_emulated"] <= 0.35 * (
+        footprint.transformer
+    )
+    assert 0 < copies["fp8"] <= 0.6 * footprint.transformer and 0 < copies["fp8_emulated"] <= 0.6 * (
+        footprint.transformer
+    )
+
+
 def test_fsdp_shards_the_update_over_its_processes_after_loading_the_whole_base(digits_footprint):
     cfg, footprint = digits_footprint
     stages = {s.stage: s for s in make_plan(cfg, footprint, 64 << 20, parallel="fsdp", processes=4).stages}

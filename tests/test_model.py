@@ -177,3 +177,91 @@ def test_explore_copy_syncs_in_place_and_equals_a_fresh_build(policy: Policy):
     torch.testing.assert_close(
         policy.model.velocity(synced, x, s, cond), policy.model.velocity(fresh, x, s, cond), rtol=0, atol=0
     )
+
+
+def test_keep_copy_keeps_moves_out_or_frees_the_copy_and_never_moves_the_policy(policy: Policy):
+    from solrl.stages.quant.backends import move_owned_
+
+    x, s, cond = _inputs(policy)
+    policy.explore_copies.clear()
+    with rollout_network(policy, "nvfp4_emulated", keep_copy="device") as net:
+        expect = policy.model.velocity(net, x, s, cond)
+    assert list(policy.explore_copies.values()) == [net]
+    with rollout_network(policy, "nvfp4_emulated", keep_copy="none") as again:
+        assert again is net  # synced in place
+    assert not policy.explore_copies  # freed
+    with rollout_network(policy, "nvfp4_emulated", keep_copy="host") as net:  # on a CPU policy: stays
+        torch.testing.assert_close(policy.model.velocity(net, x, s, cond), expect, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="keep_copy must be one of"):
+        with rollout_network(policy, "nvfp4_emulated", keep_copy="disk"):
+            pass
+    # What keep_copy=host moves is the copy's own tensors only: the packed layers, not the shared base.
+    moved = move_owned_(net, policy.transformer, "meta")
+    assert moved == policy.owned_bytes(net) > 0
+    assert all(t.device.type == "cpu" for t in [*policy.transformer.parameters(), *policy.transformer.buffers()])
+    packed = [m for m in net.modules() if isinstance(m, FakeQuantLinear)]
+    assert packed and all(m.codes.device.type == "meta" for m in packed)
+    policy.explore_copies.clear()
+
+
+class _UnpackedReference(torch.nn.Module):
+    """The explore copy's layer as it was before the packed copy: the high-precision weight kept, and
+    ``F.linear`` / ``F.conv2d`` of the float32 fake-quantized operands (per-sample activation scales)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from solrl.stages.quant.nvfp4 import fake_quantize_per_sample, nvfp4_fake_quantize
+
+        w = self.inner.weight.detach().float()
+        b = None if self.inner.bias is None else self.inner.bias.detach().float()
+        if isinstance(self.inner, torch.nn.Conv2d):
+            xq = fake_quantize_per_sample(x.float().movedim(1, -1).contiguous(), "nvfp4").movedim(-1, 1)
+            wq = nvfp4_fake_quantize(w.reshape(w.shape[0], -1)).view_as(w)
+            return torch.nn.functional.conv2d(xq, wq, b).to(x.dtype)
+        wq = nvfp4_fake_quantize(w)
+        return torch.nn.functional.linear(fake_quantize_per_sample(x.float(), "nvfp4"), wq, b).to(x.dtype)
+
+
+@pytest.mark.parametrize("family", ["tiny-digits", "tiny-sd3", "tiny-flux"])
+def test_the_packed_explore_copy_samples_as_the_unpacked_one_and_holds_under_035x_of_its_layers_in_bf16(
+    tmp_path, family
+):
+    from solrl.stages.memory import module_bytes
+    from solrl.stages.quant.backends import explore_copy
+    from solrl.stages.quant.nvfp4 import eligible_layers
+
+    cfg = load_config(
+        family, [f"storage.root={tmp_path}", *([] if family == "tiny-digits" else [f"model.path={tmp_path / family}"])]
+    )
+    policy = Policy(load_model(cfg.model, torch.device("cpu")), rank=4, alpha=4.0, seed=0)
+    with torch.no_grad():  # a rollout adapter away from its init, so the merge matters
+        for p in policy.adapter_params("rollout").values():
+            p.add_(0.05 * torch.randn_like(p))
+    reference = policy.merged_copy("rollout")
+    layers = eligible_layers(reference, skip=policy.model.nvfp4_skip, min_dim=cfg.explore.min_dim)
+    for name, module in layers:
+        parent, _, child = name.rpartition(".")
+        setattr(reference.get_submodule(parent) if parent else reference, child, _UnpackedReference(module))
+    packed = explore_copy(policy, "nvfp4_emulated", cfg.explore.min_dim)
+    torch.manual_seed(3)
+    cond = policy.model.encode(["a photo of a cat", "a handwritten digit three"])
+    x, sigma = torch.randn(2, *policy.model.latent_shape), torch.tensor([0.9, 0.4])
+    with torch.no_grad():
+        expect = policy.model.velocity(reference, x, sigma, cond)
+        torch.testing.assert_close(policy.model.velocity(packed, x, sigma, cond), expect, rtol=0, atol=0)
+    quantized = {name for name, _ in layers}
+    held = sum(module_bytes(m) for n, m in packed.named_modules() if n in quantized)
+    in_bf16 = sum(m.weight.numel() * 2 for _, m in layers)
+    assert held <= 0.35 * in_bf16, (held, in_bf16)
+    # Everything but the quantized layers and the merged LoRA layers left in high precision is the policy's own
+    # (shared), and the memory plan's copy, built on the meta device, holds exactly the bytes of this one.
+    shared = {id(t) for t in [*policy.transformer.parameters(), *policy.transformer.buffers()]}
+    norms = [t for n, m in packed.named_modules() if isinstance(m, torch.nn.LayerNorm) for t in m.parameters()]
+    assert all(id(t) in shared for t in norms)
+    from solrl.stages.memory import measure
+
+    planned = measure(cfg, weights_dtype=torch.float32).explore_copy["nvfp4_emulated"]
+    assert policy.owned_bytes(packed) == planned > 0

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Literal
 
@@ -133,42 +133,96 @@ class Policy:
             return self.model.velocity(net, x, sigma, cond)
 
     @torch.no_grad()
-    def merged_weights(self, which: Which = "rollout") -> dict[str, torch.Tensor]:
-        """``base + delta(which)`` for every LoRA-wrapped layer, keyed by module name (peft ``get_delta_weight``)."""
-        from peft.tuners.tuners_utils import BaseTunerLayer
-
-        out = {}
-        for name, module in self.transformer.named_modules():
-            if isinstance(module, BaseTunerLayer):
-                weight = module.get_base_layer().weight
-                out[name] = weight + module.get_delta_weight(which).to(weight.dtype) if which != "reference" else weight
-        return out
-
-    @torch.no_grad()
     def sync_merged_copy_(self, net: nn.Module, which: Which = "rollout") -> int:
         """Write the current merged weights of ``which`` into ``net`` (a ``merged_copy``, possibly quantized) in
-        place; quantized layers must then be re-quantized (``requantize_model_``). Returns the layers written."""
-        merged = self.merged_weights(which)
-        for name, weight in merged.items():
-            net.get_submodule(name).weight.copy_(weight)
-        return len(merged)
-
-    def merged_copy(self, which: Which = "rollout") -> nn.Module:
-        """A plain transformer with adapter ``which`` merged into the base weights and LoRA removed.
-
-        The copy the low-precision explore backend quantizes (DESIGN 2). Costs one model copy.
-        """
+        place, one layer at a time: a layer with ``requantize_`` (a packed ``FakeQuantLinear``, a Transformer
+        Engine layer) re-encodes the weight, any other copies it. Peak memory: one merged layer. Returns the
+        layers written."""
         from peft.tuners.tuners_utils import BaseTunerLayer
 
-        net = copy.deepcopy(self.transformer)
-        for module_name, module in list(net.named_modules()):
+        written = 0
+        for name, module in self.transformer.named_modules():
             if not isinstance(module, BaseTunerLayer):
                 continue
-            if which != "reference":
-                module.merge(adapter_names=[which])
-            parent_name, _, child = module_name.rpartition(".")
-            parent = net.get_submodule(parent_name) if parent_name else net
-            setattr(parent, child, module.get_base_layer())
-        net.peft_config = {}
-        net._hf_peft_config_loaded = False
-        return net.eval().requires_grad_(False)
+            weight = _merged_weight(module, which)
+            target = net.get_submodule(name)
+            if hasattr(target, "requantize_"):
+                target.requantize_(weight)
+            else:
+                target.weight.copy_(weight)
+            written += 1
+        return written
+
+    def merged_copy(self, which: Which = "rollout", convert: Convert | None = None) -> nn.Module:
+        """A plain transformer with adapter ``which`` merged into the base weights and LoRA removed
+        (:func:`merged_copy_of` of this policy's transformer): the network a low-precision explore backend
+        samples with (DESIGN 2). Frozen tensors are shared with the policy, not copied."""
+        return merged_copy_of(self.transformer, which, convert)
+
+    def owned_bytes(self, net: nn.Module) -> int:
+        """Bytes of ``net``'s parameters and buffers that are not the policy's own (what a copy adds)."""
+        return owned_bytes(net, self.transformer)
+
+
+#: ``convert(name, base_layer, merged_weight) -> module | None``: what a LoRA-wrapped layer becomes in a merged
+#: copy (None: a plain layer holding the merged weight).
+Convert = Callable[[str, nn.Module, torch.Tensor], "nn.Module | None"]
+
+
+def _merged_weight(module: nn.Module, which: Which) -> torch.Tensor:
+    """``base + delta(which)`` of one peft LoRA layer (the base weight itself for the reference policy)."""
+    weight = module.get_base_layer().weight
+    if which == "reference":
+        return weight
+    return weight + module.get_delta_weight(which).to(weight.dtype)
+
+
+def _tensors(module: nn.Module) -> Iterator[torch.Tensor]:
+    yield from module.parameters()
+    yield from module.buffers()
+
+
+def owned_bytes(net: nn.Module, source: nn.Module) -> int:
+    """Bytes of ``net``'s parameters and buffers that ``source`` does not hold too (storage ``nbytes``, meta
+    tensors included: the plan builds copies on the meta device)."""
+    shared = {id(t) for t in _tensors(source)}
+    return sum(t.nbytes for t in {id(t): t for t in _tensors(net)}.values() if id(t) not in shared)
+
+
+@torch.no_grad()
+def merged_copy_of(transformer: nn.Module, which: Which = "rollout", convert: Convert | None = None) -> nn.Module:
+    """A copy of the peft ``transformer`` with adapter ``which`` merged and LoRA removed, in eval mode, no grad.
+
+    Every tensor outside the LoRA-wrapped layers (norms, embeddings, layers LoRA does not target) is the
+    transformer's own, shared, not copied: it is frozen, and the copy never writes it. Each LoRA-wrapped layer
+    becomes ``convert(name, base_layer, merged_weight)`` (e.g. a packed quantized layer), or a plain layer
+    holding the merged weight; layers are built one at a time, so the peak beyond the copy is one merged weight,
+    never a second full model. Works on the meta device (the memory plan builds copies there).
+
+    Args:
+        transformer: a diffusers transformer with peft LoRA adapters (``Policy.transformer``).
+        which: the adapter merged, or ``reference`` (the base weights).
+        convert: see :data:`Convert`; None: plain layers.
+    """
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    memo: dict[int, object] = {}
+    lora_layers = [(n, m) for n, m in transformer.named_modules() if isinstance(m, BaseTunerLayer)]
+    in_lora = {id(t) for _, m in lora_layers for t in _tensors(m)}
+    for t in _tensors(transformer):
+        if id(t) not in in_lora:
+            memo[id(t)] = t
+    for name, module in lora_layers:
+        base = module.get_base_layer()
+        weight = _merged_weight(module, which)
+        layer = convert(name, base, weight) if convert is not None else None
+        if layer is None:
+            merged = weight if which != "reference" else weight.clone()
+            layer = copy.deepcopy(
+                base, {id(base.weight): nn.Parameter(merged, requires_grad=False), id(base.bias): base.bias}
+            )
+        memo[id(module)] = layer
+    net = copy.deepcopy(transformer, memo)
+    net.peft_config = {}
+    net._hf_peft_config_loaded = False
+    return net.eval().requires_grad_(False)

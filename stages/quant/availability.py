@@ -17,13 +17,33 @@ from functools import cache
 HARDWARE = {"fp8": (8, 9), "nvfp4": (10, 0)}
 
 
+#: The first Transformer Engine release with ``is_fp8_available`` / ``is_nvfp4_available(return_reason=True)``.
+TE_MIN_VERSION = (2, 9)
+
+
 def _transformer_engine_reason(precision: str) -> str | None:
+    """None when Transformer Engine says ``precision`` runs on this GPU, else its reason (or why TE is unusable)."""
     try:
+        import transformer_engine
         import transformer_engine.pytorch as te
     except Exception as exc:  # ImportError, or a broken CUDA install raising anything at import
         return f"Transformer Engine is not importable ({exc.__class__.__name__}); pip install 'solrl[gpu]'"
-    check = te.is_nvfp4_available if precision == "nvfp4" else te.is_fp8_available
-    available = check()
+    return te_reason(te, getattr(transformer_engine, "__version__", "0"), precision)
+
+
+def te_reason(te: object, version: str, precision: str) -> str | None:
+    """Transformer Engine's own answer for ``precision`` (``te`` the ``transformer_engine.pytorch`` module):
+    None when it is available, else TE's reason. TE < 2.9 lacks the top-level checks and is refused by name.
+    TE >= 2.9 returns a bare bool unless ``return_reason=True`` (``transformer_engine/pytorch/__init__.py``)."""
+    parts = tuple(int(p) for p in version.split(".")[:2] if p.isdigit())
+    name = "is_nvfp4_available" if precision == "nvfp4" else "is_fp8_available"
+    check = getattr(te, name, None)
+    if parts < TE_MIN_VERSION or check is None:
+        return (
+            f"Transformer Engine {version} is older than {'.'.join(map(str, TE_MIN_VERSION))} (no te.{name}); "
+            "pip install 'solrl[gpu]'"
+        )
+    available = check(return_reason=True)
     ok, reason = available if isinstance(available, tuple) else (bool(available), "")
     return None if ok else f"Transformer Engine says: {reason or 'not available'}"
 

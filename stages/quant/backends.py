@@ -22,12 +22,13 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import ClassVar
 
+import torch
 from torch import nn
 
 from solrl.registry import EXPLORE_BACKENDS, register_explore_backend
-from solrl.stages.models.policy import Policy
+from solrl.stages.models.policy import Policy, merged_copy_of, owned_bytes
 from solrl.stages.quant.availability import check_precision, unavailable_reason
-from solrl.stages.quant.nvfp4 import quantize_model_, requantize_model_
+from solrl.stages.quant.nvfp4 import FakeQuantLinear, layer_eligible, quantize_model_
 from solrl.stages.sampling.compiled import CompileStats, compiled_blocks
 
 
@@ -49,10 +50,19 @@ class ExploreBackend:
         return False
 
     @classmethod
+    def copy_bytes(cls, transformer: nn.Module, skip: tuple[str, ...] = (), min_dim: int = 0) -> int:
+        """Bytes the explore copy of the peft ``transformer`` holds beyond the policy itself (the memory plan's
+        "explore copy"; ``transformer`` may live on the meta device). The BF16 backend samples the policy: 0."""
+        return 0
+
+    @classmethod
     @contextmanager
-    def network(cls, policy: Policy, min_dim: int = 0, activation_scale: str = "sample") -> Iterator[nn.Module]:
+    def network(
+        cls, policy: Policy, min_dim: int = 0, activation_scale: str = "sample", keep_copy: str = "device"
+    ) -> Iterator[nn.Module]:
         """The rollout policy's sampling network at this precision, ``(x, ...) -> velocity``; ``activation_scale``
-        (``sample`` or ``call``) applies to the emulated backends (Transformer Engine scales per call)."""
+        (``sample`` or ``call``) applies to the emulated backends (Transformer Engine scales per call, or per
+        row); ``keep_copy`` (``KEEP_COPY``) is where a low-precision copy stays once the context exits."""
         raise NotImplementedError
         yield
 
@@ -66,7 +76,9 @@ class BF16(ExploreBackend):
 
     @classmethod
     @contextmanager
-    def network(cls, policy: Policy, min_dim: int = 0, activation_scale: str = "sample") -> Iterator[nn.Module]:
+    def network(
+        cls, policy: Policy, min_dim: int = 0, activation_scale: str = "sample", keep_copy: str = "device"
+    ) -> Iterator[nn.Module]:
         with policy.using("rollout") as net:
             yield net
 
@@ -75,9 +87,23 @@ class _Emulated(ExploreBackend):
     fmt: ClassVar[str]
 
     @classmethod
+    def copy_bytes(cls, transformer: nn.Module, skip: tuple[str, ...] = (), min_dim: int = 0) -> int:
+        """Measured: the copy is built (on ``transformer``'s device, the meta device for the plan) and the bytes
+        of its own tensors (packed codes, block scales, tensor scales, merged layers left in high precision)
+        summed; shared frozen tensors count 0."""
+        net = emulated_copy(transformer, cls.fmt, skip, min_dim, "sample", which=_first_adapter(transformer))
+        return owned_bytes(net, transformer)
+
+    @classmethod
     @contextmanager
-    def network(cls, policy: Policy, min_dim: int = 0, activation_scale: str = "sample") -> Iterator[nn.Module]:
-        yield explore_copy(policy, cls.name, min_dim, activation_scale)
+    def network(
+        cls, policy: Policy, min_dim: int = 0, activation_scale: str = "sample", keep_copy: str = "device"
+    ) -> Iterator[nn.Module]:
+        net = explore_copy(policy, cls.name, min_dim, activation_scale)
+        try:
+            yield net
+        finally:
+            _release(policy, (cls.name, min_dim, activation_scale), keep_copy)
 
 
 @register_explore_backend("nvfp4_emulated")
@@ -104,12 +130,38 @@ class _TransformerEngine(ExploreBackend):
         return type(module).__module__.startswith("transformer_engine")
 
     @classmethod
+    def copy_bytes(cls, transformer: nn.Module, skip: tuple[str, ...] = (), min_dim: int = 0) -> int:
+        """Counted (no GPU is needed to plan): Transformer Engine's storage of each quantized weight built under
+        ``quantized_model_init`` without grad (row-wise data and scales only), its bias, and the merged layers TE
+        cannot take (``solrl.stages.quant.hardware.te_copy_bytes``)."""
+        from solrl.stages.quant.hardware import te_copy_bytes
+
+        return te_copy_bytes(transformer, cls.name, skip, min_dim)
+
+    @classmethod
     @contextmanager
-    def network(cls, policy: Policy, min_dim: int = 0, activation_scale: str = "sample") -> Iterator[nn.Module]:
+    def network(
+        cls, policy: Policy, min_dim: int = 0, activation_scale: str = "sample", keep_copy: str = "device"
+    ) -> Iterator[nn.Module]:
+        """The cached TE copy, built once (``te_explore_copy``) and then synced in place (``copy_`` into its
+        quantized weights). TE's quantized weights live on the GPU only: ``keep_copy=host`` frees the copy as
+        ``none`` does (it is rebuilt at the next explore)."""
         check_precision(cls.name)
         from solrl.stages.quant.hardware import te_explore_copy
 
-        yield te_explore_copy(policy.merged_copy("rollout"), cls.name, policy.model.nvfp4_skip, min_dim)
+        start = time.perf_counter()
+        key = (cls.name, min_dim, "te")
+        net = policy.explore_copies.get(key)
+        if net is None:
+            net = te_explore_copy(policy.transformer, cls.name, policy.model.nvfp4_skip, min_dim)
+            policy.explore_copies[key] = net
+        else:
+            policy.sync_merged_copy_(net.net, "rollout")  # TE re-quantizes each weight on copy_
+        policy.explore_sync_seconds = time.perf_counter() - start
+        try:
+            yield net
+        finally:
+            _release(policy, key, "none" if keep_copy == "host" else keep_copy)
 
 
 @register_explore_backend("nvfp4")
@@ -126,10 +178,48 @@ class FP8(_TransformerEngine):
     name = "fp8"
 
 
+#: Where a low-precision explore copy stays between the stages that sample with it (``explore.keep_copy``):
+#: on the device (no rebuild, no transfer; it stays resident through score, regenerate and update), in host
+#: memory (moved back and synced at the next explore), or nowhere (rebuilt at the next explore).
+KEEP_COPY = ("device", "host", "none")
+
+
+def _first_adapter(transformer: nn.Module) -> str:
+    config = getattr(transformer, "peft_config", None) or {}
+    return "rollout" if "rollout" in config else next(iter(config), "reference")
+
+
+def emulated_copy(
+    transformer: nn.Module,
+    fmt: str,
+    skip: tuple[str, ...] = (),
+    min_dim: int = 0,
+    activation_scale: str = "sample",
+    which: str = "rollout",
+) -> nn.Module:
+    """The packed fake-quantized explore copy of the peft ``transformer``'s adapter ``which``
+    (``merged_copy_of``): each eligible LoRA-wrapped layer is encoded straight from its merged weight, one layer at
+    a time, the other eligible layers from the shared base weights; everything else is shared with the policy.
+
+    Raises:
+        ValueError: unknown ``fmt`` or ``activation_scale``; non-finite weights.
+    """
+
+    def convert(name: str, base: nn.Module, weight: torch.Tensor) -> nn.Module | None:
+        if layer_eligible(name, base, fmt=fmt, skip=skip, min_dim=min_dim):
+            return FakeQuantLinear(base, fmt, activation_scale, weight=weight)
+        return None
+
+    net = merged_copy_of(transformer, which, convert)  # type: ignore[arg-type]
+    quantize_model_(net, fmt=fmt, skip=skip, min_dim=min_dim, activation_scale=activation_scale)
+    return net
+
+
 def explore_copy(policy: Policy, precision: str, min_dim: int = 0, activation_scale: str = "sample") -> nn.Module:
-    """The fake-quantized explore copy of the rollout policy, built once per ``Policy`` object and then kept in
-    sync in place: each later call writes the current merged rollout weights into it and re-quantizes them
-    (weight sync, no model rebuild). ``policy.explore_sync_seconds`` holds the last build or sync time.
+    """The fake-quantized explore copy of the rollout policy (:func:`emulated_copy`), built once per ``Policy``
+    object and then kept in sync in place: each later call re-encodes the current merged rollout weights into it
+    (weight sync, no model rebuild), after moving it back to the policy's device if ``keep_copy=host`` moved it
+    out. ``policy.explore_sync_seconds`` holds the last build or sync time.
 
     Raises:
         ValueError: ``precision`` is not an emulated backend.
@@ -141,27 +231,59 @@ def explore_copy(policy: Policy, precision: str, min_dim: int = 0, activation_sc
     key = (precision, min_dim, activation_scale)
     net = policy.explore_copies.get(key)
     if net is None:
-        net = policy.merged_copy("rollout")
-        quantize_model_(
-            net, fmt=backend.fmt, skip=policy.model.nvfp4_skip, min_dim=min_dim, activation_scale=activation_scale
-        )
+        net = emulated_copy(policy.transformer, backend.fmt, policy.model.nvfp4_skip, min_dim, activation_scale)
         policy.explore_copies[key] = net
     else:
-        policy.sync_merged_copy_(net, "rollout")
-        requantize_model_(net)
+        move_owned_(net, policy.transformer, _device_of(policy.transformer))
+        policy.sync_merged_copy_(net, "rollout")  # quantized layers re-encoded in place
     policy.explore_sync_seconds = time.perf_counter() - start
     return net
 
 
+def _device_of(module: nn.Module) -> torch.device:
+    return next(module.parameters()).device
+
+
+@torch.no_grad()
+def move_owned_(net: nn.Module, source: nn.Module, device: torch.device | str) -> int:
+    """Move ``net``'s own parameters and buffers (not those shared with ``source``) to ``device``, in place in
+    ``net`` (each module's entry replaced). Returns the bytes moved."""
+    shared = {id(t) for t in [*source.parameters(), *source.buffers()]}
+    device, moved = torch.device(device), 0
+    for module in net.modules():
+        for tensors in (module._parameters, module._buffers):
+            for key, t in tensors.items():
+                if t is None or id(t) in shared or t.device == device:
+                    continue
+                data = t.detach().to(device)
+                tensors[key] = nn.Parameter(data, t.requires_grad) if isinstance(t, nn.Parameter) else data
+                moved += t.nbytes
+    return moved
+
+
+def _release(policy: Policy, key: tuple[str, int, str], keep_copy: str) -> None:
+    """Apply ``keep_copy`` to the cached copy ``key`` once its stage stops sampling with it."""
+    if keep_copy not in KEEP_COPY:
+        raise ValueError(f"explore.keep_copy must be one of {KEEP_COPY}, got {keep_copy!r}")
+    net = policy.explore_copies.get(key)
+    if net is None or keep_copy == "device":
+        return
+    if keep_copy == "none":
+        del policy.explore_copies[key]
+    else:
+        move_owned_(net, policy.transformer, "cpu")
+
+
 def rollout_network(
-    policy: Policy, precision: str, min_dim: int = 0, activation_scale: str = "sample"
+    policy: Policy, precision: str, min_dim: int = 0, activation_scale: str = "sample", keep_copy: str = "device"
 ) -> AbstractContextManager[nn.Module]:
-    """The network that samples for the rollout policy at ``precision`` (a registered explore backend).
+    """The network that samples for the rollout policy at ``precision`` (a registered explore backend);
+    ``keep_copy`` (``KEEP_COPY``) is where its low-precision copy stays once the context exits.
 
     Raises:
         ValueError: unknown precision, or a hardware precision this machine cannot run.
     """
-    return EXPLORE_BACKENDS.get(precision).network(policy, min_dim, activation_scale)
+    return EXPLORE_BACKENDS.get(precision).network(policy, min_dim, activation_scale, keep_copy)
 
 
 @contextmanager
@@ -174,11 +296,13 @@ def sampling_network(
     min_dim: int = 0,
     activation_scale: str = "sample",
     adapter: str = "rollout",
+    keep_copy: str = "device",
 ) -> Iterator[tuple[nn.Module, CompileStats | None]]:
     """``rollout_network`` with, when ``compile``, its transformer's repeated blocks compiled for the duration
     (``solrl.stages.sampling.compiled.compiled_blocks``; the backend's ``eager_layer`` compiled around). Yields
     ``(network, stats)``; stats is None without compile, and complete once the context exits. ``adapter``
-    (``rollout``, ``ema`` or ``policy``; full precision only) samples another of the policy's adapters.
+    (``rollout``, ``ema`` or ``policy``; full precision only) samples another of the policy's adapters;
+    ``keep_copy`` as in ``rollout_network``.
 
     Raises:
         ValueError: as ``rollout_network``; an unknown ``mode``; a transformer with no repeated blocks; an adapter
@@ -188,7 +312,9 @@ def sampling_network(
     if adapter != "rollout" and backend.low_precision:
         raise ValueError(f"the {precision} explore copy samples the rollout policy only, not the {adapter} adapter")
     network = (
-        rollout_network(policy, precision, min_dim, activation_scale) if adapter == "rollout" else policy.using(adapter)
+        rollout_network(policy, precision, min_dim, activation_scale, keep_copy)
+        if adapter == "rollout"
+        else policy.using(adapter)
     )
     with network as net:
         if not compile:

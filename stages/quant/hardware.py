@@ -12,23 +12,68 @@ Not verified on hardware yet: no CI machine has a GPU (see README, "What is veri
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-from .nvfp4 import eligible_layers
+from .nvfp4 import layer_eligible
+
+#: Rows (the product of all input dims but the last) a quantized Transformer Engine GEMM takes: TE asserts
+#: ``rows % 8 == 0`` for FP8 (``transformer_engine/pytorch/utils.py``, ``assert_dim_for_fp8_exec``) and NVFP4's
+#: fast path wants ``rows % 32 == 0``.
+TE_ROW_MULTIPLE = {"fp8": 8, "nvfp4": 32}
+#: ``(in_features, out_features)`` multiples a layer needs to become a TE Linear (K % 16 and N % 8 for FP8;
+#: K and N % 32 for NVFP4's fast path and its reference GEMM).
+TE_DIM_MULTIPLE = {"fp8": (16, 8), "nvfp4": (32, 32)}
 
 
-class _Conv1x1AsLinear(nn.Module):
-    """A 1x1 conv as a Linear over channels: ``[B, C, H, W]`` -> channels-last -> Linear -> back."""
+def te_takes(in_features: int, out_features: int, precision: str) -> bool:
+    """Whether a Linear of this shape can run quantized in Transformer Engine at ``precision`` (the one rule;
+    a layer that cannot stays in bf16)."""
+    k, n = TE_DIM_MULTIPLE[precision]
+    return in_features % k == 0 and out_features % n == 0
 
-    def __init__(self, linear: nn.Module) -> None:
+
+class RowPadded(nn.Module):
+    """``linear`` over inputs ``[..., K]`` flattened to ``[rows, K]`` and zero-padded to a multiple of ``multiple``
+    rows; the output is sliced back to ``rows`` and reshaped to ``[..., N]``.
+
+    Zero rows do not move an amax (per tensor or per row) and their outputs are dropped, so with per-call or
+    per-row activation scales the result equals the unpadded call's (tested around the emulated quantizer). A
+    Conv 1x1 (``[B, C, H, W]``) runs channels-last as a Linear over C."""
+
+    def __init__(self, linear: nn.Module, multiple: int, conv: bool = False) -> None:
         super().__init__()
-        self.linear = linear
+        self.linear, self.multiple, self.conv = linear, multiple, conv
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x.movedim(1, -1)).movedim(-1, 1)
+        if self.conv:
+            return self._rows(x.movedim(1, -1)).movedim(-1, 1)
+        return self._rows(x)
+
+    @torch.no_grad()
+    def requantize_(self, weight: torch.Tensor) -> RowPadded:
+        """Write ``weight`` (``[out, in]`` or ``[out, in, 1, 1]``) into the wrapped layer in place: its own
+        ``requantize_`` (``FakeQuantLinear``), else ``weight.copy_`` (a Transformer Engine quantized weight
+        re-quantizes on copy). Returns ``self``."""
+        target = self.linear
+        if hasattr(target, "requantize_"):
+            target.requantize_(weight)
+        else:
+            target.weight.copy_(weight.reshape(target.weight.shape))
+        return self
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
+        lead, k = x.shape[:-1], x.shape[-1]
+        rows = x.reshape(-1, k)
+        n = rows.shape[0]
+        pad = (-n) % self.multiple
+        if pad:
+            rows = torch.cat([rows, rows.new_zeros(pad, k)])
+        out = self.linear(rows)
+        return out[:n].reshape(*lead, out.shape[-1])
 
 
 class _UnderAutocast(nn.Module):
@@ -49,38 +94,137 @@ class _UnderAutocast(nn.Module):
             return self.net(*args, **kwargs)
 
 
-def te_explore_copy(net: nn.Module, precision: str, skip: tuple[str, ...], min_dim: int) -> nn.Module:
-    """Turn ``net`` (a merged, plain copy of the rollout transformer) into a TE-quantized explore copy.
+def te_recipe(precision: str) -> Any:
+    """The Transformer Engine recipe of ``precision`` (TE >= 2.9, ``transformer_engine.common.recipe``).
 
-    Args:
-        net: modified in place (eligible layers replaced); moved to CUDA in bfloat16.
-        precision: ``nvfp4`` or ``fp8``.
-
-    Returns:
-        a module with ``net``'s call signature that runs under TE autocast.
+    * ``nvfp4``: ``NVFP4BlockScaling`` with 1x16 weight blocks along K as in ``nvfp4_emulated`` and DESIGN 2
+      (TE's default is 16x16 2-D weight blocks), no random Hadamard transform, no stochastic rounding: TE's own
+      plain recipe (``tests/pytorch/test_sanity.py``); and, where TE has it (>= 2.16),
+      ``row_scaled_activation=True``: one activation amax per row (token), so a sample does not depend on its
+      batch mates. Older TE scales activations per call (``explore.activation_scale=call`` emulates that).
+    * ``fp8``: ``Float8CurrentScaling(E4M3)`` with the forward GEMM's split (FP32) accumulation (the recipe's
+      default, ``use_split_accumulator=False``, is TE's fast accumulation); activations per call.
 
     Raises:
-        ImportError: Transformer Engine is missing (``pip install 'solrl[gpu]'``). ValueError: bad precision.
+        ValueError: another precision. ImportError: no Transformer Engine.
     """
-    import transformer_engine.pytorch as te
+    import dataclasses
+
     from transformer_engine.common import recipe
 
     if precision == "nvfp4":
-        chosen = recipe.NVFP4BlockScaling()
-    elif precision == "fp8":
-        chosen = recipe.Float8CurrentScaling(fp8_format=recipe.Format.E4M3)
-    else:
-        raise ValueError(f"hardware precision must be nvfp4 or fp8, got {precision!r}")
-    net = net.to("cuda", torch.bfloat16)
-    for name, module in eligible_layers(net, fmt="nvfp4", skip=skip, min_dim=min_dim):
-        weight = module.weight.detach()
-        out_f, in_f = weight.shape[0], weight.shape[1]
-        linear = te.Linear(in_f, out_f, bias=module.bias is not None, params_dtype=torch.bfloat16, device="cuda")
-        with torch.no_grad():
-            linear.weight.copy_(weight.reshape(out_f, in_f))
-            if module.bias is not None:
-                linear.bias.copy_(module.bias.detach())
-        replacement = _Conv1x1AsLinear(linear) if isinstance(module, nn.Conv2d) else linear
-        parent_name, _, child = name.rpartition(".")
-        setattr(net.get_submodule(parent_name) if parent_name else net, child, replacement)
+        fields = {f.name for f in dataclasses.fields(recipe.NVFP4BlockScaling)}
+        per_row = {"row_scaled_activation": True} if "row_scaled_activation" in fields else {}
+        return recipe.NVFP4BlockScaling(
+            disable_2d_quantization=True, disable_rht=True, disable_stochastic_rounding=True, **per_row
+        )
+    if precision == "fp8":
+        return recipe.Float8CurrentScaling(
+            fp8_format=recipe.Format.E4M3, fp8_gemm_fprop=recipe.MMParams(use_split_accumulator=True)
+        )
+    raise ValueError(f"hardware precision must be nvfp4 or fp8, got {precision!r}")
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def te_weight_bytes(in_features: int, out_features: int, precision: str) -> int:
+    """Bytes of one weight ``[out, in]`` quantized by Transformer Engine for the forward only (row-wise usage:
+    ``quantized_model_init`` under ``no_grad``). NVFP4: E2M1 data ``out * in / 2`` plus E4M3 block scales padded
+    to ``[round_up(out, 128), round_up(in / 16, 4)]`` (``NVFP4Quantizer.get_scale_shape``) plus an FP32 amax;
+    FP8: one byte a weight plus an FP32 ``scale_inv``."""
+    if precision == "nvfp4":
+        return out_features * in_features // 2 + _round_up(out_features, 128) * _round_up(in_features // 16, 4) + 4
+    return out_features * in_features + 4
+
+
+def _copy_layers(transformer: nn.Module) -> Iterator[tuple[str, nn.Module, bool]]:
+    """``(name, layer, lora)`` of the leaf layers a merged copy of the peft ``transformer`` has: a LoRA-wrapped
+    layer's base layer (``lora`` True; its adapters are not walked), and every other module."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    inside: tuple[str, ...] = ()
+    for name, module in transformer.named_modules():
+        if inside and name.startswith(inside):
+            continue
+        if isinstance(module, BaseTunerLayer):
+            inside = (*inside, name + ".")
+            yield name, module.get_base_layer(), True
+        elif name:
+            yield name, module, False
+
+
+def te_copy_bytes(transformer: nn.Module, precision: str, skip: tuple[str, ...], min_dim: int) -> int:
+    """Bytes a :func:`te_explore_copy` of the peft ``transformer`` holds beyond the policy, counted from shapes
+    (``te_weight_bytes`` and a bf16 bias per TE layer, a bf16 merged weight per LoRA layer TE cannot take).
+    Transformer Engine's workspaces and its per-module metadata (a few scalars) are not counted."""
+    total = 0
+    for name, layer, lora in _copy_layers(transformer):
+        dims = _te_dims(name, layer, skip, min_dim)
+        if dims is not None and te_takes(*dims, precision):
+            bias = getattr(layer, "bias", None)
+            total += te_weight_bytes(*dims, precision) + (0 if bias is None else bias.numel() * 2)
+        elif lora:
+            total += layer.weight.nbytes
+    return total
+
+
+def _te_dims(name: str, layer: nn.Module, skip: tuple[str, ...], min_dim: int) -> tuple[int, int] | None:
+    """``(in, out)`` of a layer the explore skip rule quantizes, else None."""
+    if not layer_eligible(name, layer, fmt="nvfp4", skip=skip, min_dim=min_dim):
+        return None
+    weight = layer.weight
+    return weight.shape[1], weight.shape[0]
+
+
+def te_explore_copy(transformer: nn.Module, precision: str, skip: tuple[str, ...], min_dim: int) -> nn.Module:
+    """A Transformer Engine explore copy of the peft ``transformer``'s ``rollout`` adapter (``merged_copy_of``).
+
+    Each layer the skip rule quantizes and TE can take (``te_takes``) becomes a ``te.Linear`` built under
+    ``torch.no_grad()`` and ``te.quantized_model_init(recipe=...)``: it holds only the quantized weight, row-wise
+    (no bf16 weight, no transposed copy), into which the merged weight is written with ``copy_`` (TE quantizes
+    on copy, so ``Policy.sync_merged_copy_`` refreshes the copy in place after each update); wrapped in
+    :class:`RowPadded`. Everything else is shared with the policy or merged in bf16.
+
+    Args:
+        transformer: the policy's peft transformer, on CUDA in bfloat16 (not modified).
+        precision: ``nvfp4`` or ``fp8``.
+
+    Returns:
+        a module with the transformer's call signature that runs under TE autocast with ``te_recipe``.
+
+    Raises:
+        ImportError: Transformer Engine is missing (``pip install 'solrl[gpu]'``). ValueError: bad precision, or
+        the transformer is not on CUDA.
+    """
+    import transformer_engine.pytorch as te
+
+    from solrl.stages.models.policy import merged_copy_of
+
+    chosen = te_recipe(precision)
+    device = next(transformer.parameters()).device
+    if device.type != "cuda":
+        raise ValueError(f"a Transformer Engine explore copy needs the policy on CUDA, it is on {device}")
+
+    def te_layer(name: str, layer: nn.Module, weight: torch.Tensor) -> nn.Module | None:
+        dims = _te_dims(name, layer, skip, min_dim)
+        if dims is None or not te_takes(*dims, precision):
+            return None
+        in_f, out_f = dims
+        with torch.no_grad(), te.quantized_model_init(enabled=True, recipe=chosen):
+            linear = te.Linear(in_f, out_f, bias=layer.bias is not None, params_dtype=torch.bfloat16, device=device)
+        padded = RowPadded(linear, TE_ROW_MULTIPLE[precision], conv=isinstance(layer, nn.Conv2d))
+        padded.requantize_(weight)
+        if layer.bias is not None:
+            with torch.no_grad():
+                linear.bias.copy_(layer.bias.detach())
+        return padded
+
+    net = merged_copy_of(transformer, "rollout", te_layer)
+    for name, layer in list(net.named_modules()):  # the eligible layers LoRA does not target (TE's are skipped)
+        replacement = te_layer(name, layer, layer.weight) if name else None
+        if replacement is not None:
+            parent_name, _, child = name.rpartition(".")
+            setattr(net.get_submodule(parent_name) if parent_name else net, child, replacement)
     return _UnderAutocast(net.eval().requires_grad_(False), chosen)

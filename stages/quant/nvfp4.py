@@ -40,7 +40,7 @@ Choices made here (documented, tested in ``tests/test_nvfp4.py``):
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -111,30 +111,10 @@ def _nvfp4_parts(x2d: torch.Tensor, *, tensor_scale: bool) -> tuple[torch.Tensor
     Raises:
         ValueError: K not a multiple of 16, or non-finite values.
     """
-    from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, unpack_uint4
-    from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize
-
     rows, k_dim = x2d.shape
-    amax = _amax_checked(x2d)
-    if amax == 0.0:
-        return torch.zeros_like(x2d), 1.0, 0
-    k = _pow2_exponent(amax)
-    if k:
-        x2d = x2d * (2.0**k)  # exact: scaling up by a power of two
-        amax = amax * (2.0**k)
-    if tensor_scale:
-        # Same expression as torchao's per_tensor_amax_to_scale: FP32 amax / (448 * 6).
-        g_t = torch.tensor(amax, dtype=torch.float32, device=x2d.device) / (E4M3_MAX * E2M1_MAX)
-        scales, packed = nvfp4_quantize(x2d, block_size=NVFP4_BLOCK, per_tensor_scale=g_t)
-        g = float(g_t)
-    else:
-        scales, packed = nvfp4_quantize(x2d, block_size=NVFP4_BLOCK, per_tensor_scale=None)
-        g = 1.0
-    codes = unpack_uint4(packed.contiguous()).view(rows, k_dim)
-    q = f4_unpacked_to_f32(codes)  # float32 E2M1 values, [rows, K]
-    s_b = scales.to(torch.float32).view(rows, k_dim // NVFP4_BLOCK, 1)
-    qs = (q.view(rows, k_dim // NVFP4_BLOCK, NVFP4_BLOCK) * s_b).view(rows, k_dim)
-    return qs, g, k
+    codes, scales, g, k = _nvfp4_pack(x2d, tensor_scale=tensor_scale)
+    q = unpack_e2m1(codes).view(rows, k_dim // NVFP4_BLOCK, NVFP4_BLOCK)  # float32 E2M1 values
+    return (q * scales.to(torch.float32).unsqueeze(-1)).view(rows, k_dim), g, k
 
 
 def _decode(qs: torch.Tensor, g: float, k: int) -> torch.Tensor:
@@ -195,16 +175,8 @@ def nvfp4_fake_quantize(x: torch.Tensor, *, tensor_scale: bool = True) -> torch.
 
 def _fp8_parts(x: torch.Tensor) -> tuple[torch.Tensor, float, int]:
     """Per-tensor E4M3 encode/decode of float32 ``x``: ``(e4m3 values as float32, scale, k)``."""
-    amax = _amax_checked(x)
-    if amax == 0.0:
-        return torch.zeros_like(x), 1.0, 0
-    k = _pow2_exponent(amax)
-    if k:
-        x = x * (2.0**k)
-        amax = amax * (2.0**k)
-    scale_t = torch.tensor(amax, dtype=torch.float32, device=x.device) / E4M3_MAX
-    q = torch.clamp(x / scale_t, -E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return q.to(torch.float32), float(scale_t), k
+    q, scale, k = _fp8_pack(x)
+    return q.to(torch.float32), scale, k
 
 
 @torch.no_grad()
@@ -238,24 +210,17 @@ def fp8_e4m3_fake_quantize(x: torch.Tensor) -> torch.Tensor:
 ACTIVATION_SCALES: tuple[str, ...] = ("sample", "call")
 
 
-@torch.no_grad()
-def fake_quantize_per_sample(x: torch.Tensor, fmt: str) -> torch.Tensor:
-    """Fake-quantize ``x [B, ..., K]`` with one tensor scale per sample (the leading dim): exactly
-    ``nvfp4_fake_quantize(x[b])`` (or ``fp8_e4m3_fake_quantize(x[b])``) for every ``b``, in one vectorised call
-    (``_nvfp4_blocks``, bit-identical to torchao's ``nvfp4_quantize`` with a per-sample tensor scale). So an
-    image's explore samples do not depend on the batch it was drawn in (``explore.batch_size``, shards).
-
-    Returns:
-        float32, the shape of ``x``.
+def _per_sample_parts(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The parts of ``fake_quantize_per_sample``: ``(qs, g, k)`` with ``qs`` float32 ``[B, ..., K]`` (NVFP4:
+    ``q * s_b``, the E2M1 values times their E4M3 block scales, exact in bf16; FP8: the E4M3 values), ``g``
+    float32 ``[B]`` the per-sample FP32 tensor scales and ``k`` int ``[B]`` the power-of-two pre-scale exponents,
+    such that the fake-quantized sample ``b`` is ``(qs[b] * g[b]) * 2**-k[b]`` in float32.
 
     Raises:
-        ValueError: non-finite values (traced by ``torch.compile``: a RuntimeError from the graph's assert),
-            ``K % 16 != 0`` (nvfp4), unknown ``fmt``.
+        ValueError: as ``fake_quantize_per_sample``.
     """
     _check_fmt(fmt)
     x = x.detach().to(torch.float32)
-    if x.numel() == 0:
-        return x.clone()
     B = x.shape[0]
     amax = x.reshape(B, -1).abs().amax(1)  # [B]
     if torch.compiler.is_compiling():  # a data-dependent raise would break the graph: an assert inside it
@@ -271,12 +236,33 @@ def fake_quantize_per_sample(x: torch.Tensor, fmt: str) -> torch.Tensor:
     if fmt == "nvfp4":
         _check_block_dim(x)
         g = torch.where(amax > 0, amax / (E4M3_MAX * E2M1_MAX), torch.ones_like(amax))  # FP32 tensor scales [B]
-        out = _nvfp4_blocks(xs.reshape(B, -1, x.shape[-1] // NVFP4_BLOCK, NVFP4_BLOCK), g).view(x.shape)
+        qs = _nvfp4_blocks(xs.reshape(B, -1, x.shape[-1] // NVFP4_BLOCK, NVFP4_BLOCK), g).view(x.shape)
     else:
-        scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax)).view(shape)
-        q = torch.clamp(xs / scale, -E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).to(torch.float32)
-        out = q * scale
-    return out * torch.ldexp(torch.ones_like(amax), -k).view(shape)
+        g = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+        qs = torch.clamp(xs / g.view(shape), -E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).to(torch.float32)
+    return qs, g, k
+
+
+@torch.no_grad()
+def fake_quantize_per_sample(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Fake-quantize ``x [B, ..., K]`` with one tensor scale per sample (the leading dim): exactly
+    ``nvfp4_fake_quantize(x[b])`` (or ``fp8_e4m3_fake_quantize(x[b])``) for every ``b``, in one vectorised call
+    (``_nvfp4_blocks``, bit-identical to torchao's ``nvfp4_quantize`` with a per-sample tensor scale). So an
+    image's explore samples do not depend on the batch it was drawn in (``explore.batch_size``, shards).
+
+    Returns:
+        float32, the shape of ``x``.
+
+    Raises:
+        ValueError: non-finite values (traced by ``torch.compile``: a RuntimeError from the graph's assert),
+            ``K % 16 != 0`` (nvfp4), unknown ``fmt``.
+    """
+    _check_fmt(fmt)
+    if x.numel() == 0:
+        return x.detach().to(torch.float32).clone()
+    qs, g, k = _per_sample_parts(x, fmt)
+    shape = (x.shape[0], *([1] * (x.dim() - 1)))
+    return (qs * g.view(shape)) * torch.ldexp(torch.ones_like(g), -k).view(shape)
 
 
 def _e2m1_round_(y: torch.Tensor) -> torch.Tensor:
@@ -292,7 +278,8 @@ def _e2m1_round_(y: torch.Tensor) -> torch.Tensor:
 
 
 def _nvfp4_blocks(xb: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """NVFP4 quantize-dequantize of float32 blocks ``xb [B, R, K / 16, 16]`` with FP32 tensor scales ``g [B]``.
+    """NVFP4 quantization of float32 blocks ``xb [B, R, K / 16, 16]`` with FP32 tensor scales ``g [B]``: returns
+    ``q * s_b`` (float32, the shape of ``xb``), to be multiplied by ``g``.
 
     torchao's ``nvfp4_quantize`` formula, operation for operation, so bit-identical to it: block scale
     ``e4m3(clamp(amax_b / 6 / g, 2^-6, 448))``, ``y = clamp(x * ((1 / g) / s_b), -6, 6)`` rounded to E2M1, decoded
@@ -303,13 +290,60 @@ def _nvfp4_blocks(xb: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     s_b = s_b.to(torch.float8_e4m3fn).to(torch.float32)  # the FP8 E4M3 block scales, [B, R, K / 16]
     y = xb * ((1.0 / g) / s_b).unsqueeze(-1)
     y = _e2m1_round_(y.clamp_(-E2M1_MAX, E2M1_MAX))
-    return y.mul_(s_b.unsqueeze(-1)).mul_(g.unsqueeze(-1))
+    return y.mul_(s_b.unsqueeze(-1))
 
 
-def _quant_parts(w2d: torch.Tensor, fmt: str) -> tuple[torch.Tensor, float, int]:
-    if fmt == "nvfp4":
-        return _nvfp4_parts(w2d, tensor_scale=True)
-    return _fp8_parts(w2d)
+def _nvfp4_pack(w2d: torch.Tensor, *, tensor_scale: bool = True) -> tuple[torch.Tensor, torch.Tensor, float, int]:
+    """NVFP4-encode a float32 ``[rows, K]`` weight with torchao's ``nvfp4_quantize`` and keep it packed.
+
+    Returns ``(codes, block_scales, g, k)``: ``codes`` uint8 ``[rows, K / 2]`` (two E2M1 codes a byte, the even
+    element in the low nibble: torchao's ``pack_uint4``, the ``qdata`` of its ``NVFP4Tensor``), ``block_scales``
+    ``torch.float8_e4m3fn`` ``[rows, K / 16]``, ``g`` the FP32 tensor scale (1.0 for an all-zero weight, or
+    without ``tensor_scale``) and ``k``
+    the power-of-two pre-scale exponent of a tiny weight (else 0); the weight is ``((q * s_b) * g) * 2**-k``.
+
+    Raises:
+        ValueError: K not a multiple of 16, or non-finite values.
+    """
+    from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize
+
+    rows, k_dim = w2d.shape
+    amax = _amax_checked(w2d)
+    if amax == 0.0:
+        codes = torch.zeros(rows, k_dim // 2, dtype=torch.uint8, device=w2d.device)
+        return codes, torch.zeros(rows, k_dim // NVFP4_BLOCK, device=w2d.device).to(torch.float8_e4m3fn), 1.0, 0
+    k = _pow2_exponent(amax)
+    if k:  # exact: scaling up by a power of two
+        w2d, amax = w2d * (2.0**k), amax * (2.0**k)
+    # Same expression as torchao's per_tensor_amax_to_scale: FP32 amax / (448 * 6).
+    g_t = torch.tensor(amax, dtype=torch.float32, device=w2d.device) / (E4M3_MAX * E2M1_MAX) if tensor_scale else None
+    scales, packed = nvfp4_quantize(w2d.contiguous(), block_size=NVFP4_BLOCK, per_tensor_scale=g_t)
+    g = 1.0 if g_t is None else float(g_t)
+    return packed.view(rows, k_dim // 2), scales.view(rows, k_dim // NVFP4_BLOCK), g, k
+
+
+def _fp8_pack(w: torch.Tensor) -> tuple[torch.Tensor, float, int]:
+    """Per-tensor E4M3 encode of float32 ``w``: ``(values as torch.float8_e4m3fn, scale, k)``, one byte a weight."""
+    amax = _amax_checked(w)
+    if amax == 0.0:
+        return torch.zeros_like(w).to(torch.float8_e4m3fn), 1.0, 0
+    k = _pow2_exponent(amax)
+    if k:
+        w, amax = w * (2.0**k), amax * (2.0**k)
+    scale_t = torch.tensor(amax, dtype=torch.float32, device=w.device) / E4M3_MAX
+    return torch.clamp(w / scale_t, -E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), float(scale_t), k
+
+
+#: The 16 E2M1 codes' values in code order (sign bit 3): torchao's ``f4_unpacked_to_f32`` of 0..15.
+_E2M1_CODE_VALUES: tuple[float, ...] = (*E2M1_VALUES, *(-v for v in E2M1_VALUES))
+
+
+def unpack_e2m1(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The E2M1 values of packed codes ``[rows, K / 2]`` uint8 (torchao's layout, even element in the low nibble)
+    as ``[rows, K]`` in ``dtype`` (every E2M1 value is exact in bf16, fp16 and fp32)."""
+    lut = torch.tensor(_E2M1_CODE_VALUES, dtype=dtype, device=codes.device)
+    pairs = torch.stack([lut[(codes & 0xF).long()], lut[(codes >> 4).long()]], dim=-1)
+    return pairs.view(codes.shape[0], codes.shape[1] * 2)
 
 
 def _check_fmt(fmt: str) -> None:
@@ -326,57 +360,73 @@ def _is_conv1x1(module: nn.Module) -> bool:
     )
 
 
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a quantized layer computes its GEMM in for input ``x``: the autocast dtype where autocast is on,
+    else ``x``'s dtype; float32 unless that is bfloat16 or float16."""
+    device = x.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    return dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
+
+
 class FakeQuantLinear(nn.Module):
-    """W4A4 (``"nvfp4"``) or W8A8 (``"fp8"``) fake-quant wrapper of a Linear or 1x1 Conv2d.
+    """W4A4 (``"nvfp4"``) or W8A8 (``"fp8"``) packed quantized replacement of a Linear or 1x1 Conv2d.
 
     Wraps an ``nn.Linear`` or an ``nn.Conv2d`` with ``kernel_size == (1, 1)``,
     ``groups == 1`` and zero padding (Sana's feed-forward uses such convs: a matrix
     multiply over the channel dim, so it is treated as a Linear over channels).
 
-    * Weights (``[out, in]``, or ``[out, in, 1, 1]`` viewed as ``[out, in]``) are
-      fake-quantized once, per output row, NVFP4 blocks along ``in`` (fp8:
-      per-tensor E4M3 scale), and cached in the non-persistent buffer
-      ``weight_q``; :meth:`requantize_` refreshes it in place.
+    * The weight (``[out, in]``, or ``[out, in, 1, 1]`` viewed as ``[out, in]``) is
+      quantized once, per output row, NVFP4 blocks along ``in`` (fp8: one per-tensor
+      E4M3 scale), and only its encoding is kept: NVFP4 ``codes`` (uint8 ``[out, in / 2]``,
+      two E2M1 codes a byte, torchao's ``NVFP4Tensor.qdata`` layout), ``block_scales``
+      (``float8_e4m3fn`` ``[out, in / 16]``) and the FP32 tensor scale: 4.5 bits a weight;
+      FP8 ``codes`` (``float8_e4m3fn`` ``[out, in]``) and its scale: 8 bits a weight. The
+      high-precision weight is not kept; :meth:`requantize_` re-encodes a new one in place.
     * Activations are fake-quantized per call: per token for Linear (input
       ``[..., in]``, blocks along the last dim), per pixel for the conv (input
       ``[B, C, H, W]``, blocks along C). The tensor scale (NVFP4's FP32 scale,
       FP8's E4M3 scale) is each sample's amax with ``activation_scale="sample"``
       (default: a sample quantizes the same in any batch), or the amax of the
       whole activation tensor of the call with ``"call"``.
-    * The matmul/conv runs in float32 on the dequantized values, with the bias
-      in high precision; the output is cast back to the input dtype.
-
-    Parameters and state dict: the wrapper registers the wrapped module's own
-    ``weight`` and ``bias`` Parameter objects (shared, not copied) under the same
-    names, and ``weight_q`` is non-persistent, so a quantized model has exactly
-    the state-dict keys of the original one (``load_state_dict`` from the BF16
-    model works; follow it with :func:`requantize_model_`). The original module
-    is kept, unregistered, as :attr:`module`.
+    * The GEMM runs in :func:`compute_dtype`. In float32 the weight and activation are
+      decoded whole (``((q * s_b) * g) * 2**-k``, one rounding) and multiplied: the
+      reference numerics, bit for bit those of a float32 ``F.linear`` of the fake-quantized
+      operands. In bfloat16 / float16 the operands are ``q * s_b`` (exact in those dtypes)
+      and both tensor scales are applied to the GEMM's output, as a block-scaled
+      tensor-core GEMM does (NVFP4 paper's two-level scaling); the bias is added in
+      float32 and the output cast back to the input dtype.
 
     Sampling only: ``forward`` runs under ``torch.no_grad()``.
 
     Attributes:
         format: ``"nvfp4"`` or ``"fp8"``.
-        module: the wrapped ``nn.Linear`` / ``nn.Conv2d``.
-        is_conv: whether the wrapped module is a 1x1 ``nn.Conv2d``.
+        is_conv: whether the replaced module is a 1x1 ``nn.Conv2d``.
         in_features, out_features: the matmul's K and N.
-        weight_q: buffer, ``[out, in]`` in the weight's dtype, holding the
-            quantized weight *without* its FP32 tensor scale (NVFP4: ``q * s_b``;
-            fp8: the E4M3 values), which is exact in bf16/fp16/fp32.
+        codes, block_scales: buffers, the weight's encoding (above), the float8 ones held as their uint8 bits
+            so that ``model.to(dtype)`` cannot cast them (``block_scales`` is empty for fp8).
         weight_scale: buffer, int32 ``[]``: the bits of the FP32 tensor scale (an integer buffer, so
             ``model.to(dtype)`` cannot round it); ``weight_pow2``: int32 ``[]``, the power-of-two pre-scale
             exponent ``k`` (0 but for tiny weights). Tensors, not Python numbers, so that a re-quantization
             changes no constant a compiled graph was specialised on.
+        bias: the replaced module's bias Parameter (shared), or None.
     """
 
-    weight_q: torch.Tensor
-    module: nn.Module
+    codes: torch.Tensor
+    block_scales: torch.Tensor
 
-    def __init__(self, module: nn.Module, fmt: str = "nvfp4", activation_scale: str = "sample") -> None:
-        """Wrap ``module`` and quantize its weight. ``activation_scale``: one of ``ACTIVATION_SCALES``.
+    def __init__(
+        self,
+        module: nn.Module,
+        fmt: str = "nvfp4",
+        activation_scale: str = "sample",
+        weight: torch.Tensor | None = None,
+    ) -> None:
+        """Quantize ``module``'s weight (or ``weight``, of its shape: a merged weight). ``activation_scale``: one
+        of ``ACTIVATION_SCALES``. ``module`` itself is not kept: only its bias and its conv geometry.
 
         Raises:
-            ValueError: unknown ``fmt`` or ``activation_scale``; ``in_features % 16 != 0`` with ``"nvfp4"``.
+            ValueError: unknown ``fmt`` or ``activation_scale``; ``in_features % 16 != 0`` with ``"nvfp4"``;
+                non-finite weights.
             TypeError: ``module`` is neither ``nn.Linear`` nor an eligible 1x1
                 ``nn.Conv2d`` (groups == 1, zero padding).
         """
@@ -404,51 +454,76 @@ class FakeQuantLinear(nn.Module):
         self.is_conv: bool = is_conv
         self.in_features: int = in_f
         self.out_features: int = out_f
-        object.__setattr__(self, "module", module)  # kept, not registered (see class doc)
-        self.register_parameter("weight", module.weight)
+        self.conv_args: dict = (
+            dict(stride=module.stride, padding=module.padding, dilation=module.dilation) if is_conv else {}
+        )
         self.register_parameter("bias", module.bias)
         device = module.weight.device
-        self.register_buffer("weight_scale", torch.zeros((), dtype=torch.int32, device=device), persistent=False)
-        self.register_buffer("weight_pow2", torch.zeros((), dtype=torch.int32, device=device), persistent=False)
+        nvfp4 = fmt == "nvfp4"
+        # float8 encodings are kept as their uint8 bits, so ``model.to(dtype)`` cannot cast them.
         self.register_buffer(
-            "weight_q",
-            torch.empty((out_f, in_f), dtype=module.weight.dtype, device=module.weight.device),
-            persistent=False,
+            "codes", torch.empty((out_f, in_f // 2 if nvfp4 else in_f), dtype=torch.uint8, device=device)
         )
-        self.requantize_()
+        self.register_buffer(
+            "block_scales", torch.empty((out_f, in_f // NVFP4_BLOCK if nvfp4 else 0), dtype=torch.uint8, device=device)
+        )
+        self.register_buffer("weight_scale", torch.zeros((), dtype=torch.int32, device=device))
+        self.register_buffer("weight_pow2", torch.zeros((), dtype=torch.int32, device=device))
+        if module.weight.device.type != "meta":
+            self.requantize_(module.weight if weight is None else weight)
 
     @torch.no_grad()
-    def requantize_(self) -> FakeQuantLinear:
-        """Recompute the cached quantized weight from the current ``weight``, in place.
+    def requantize_(self, weight: torch.Tensor) -> FakeQuantLinear:
+        """Encode ``weight`` (``[out, in]`` or ``[out, in, 1, 1]``, any float dtype, e.g. the merged rollout
+        weight after an update) into this layer's buffers, in place: the buffers keep their identity (weight
+        sync, no rebuild; a compiled graph stays valid). Returns ``self``.
 
-        Use after a weight sync (e.g. ``load_state_dict`` or ``param.copy_``). The
-        buffer keeps its identity; if ``weight`` changed dtype/device it follows it.
-        Returns ``self``.
+        Raises:
+            ValueError: ``weight`` has the wrong number of elements or non-finite values.
         """
-        w2d = self.weight.detach().to(torch.float32).reshape(self.out_features, self.in_features)
-        qs, scale, k = _quant_parts(w2d.contiguous(), self.format)
-        if self.weight_q.dtype != self.weight.dtype or self.weight_q.device != self.weight.device:
-            self.weight_q = self.weight_q.to(device=self.weight.device, dtype=self.weight.dtype)
-        self.weight_q.copy_(qs)
-        self.weight_scale = self.weight_scale.to(self.weight.device)
-        self.weight_pow2 = self.weight_pow2.to(self.weight.device)
+        if weight.numel() != self.out_features * self.in_features:
+            raise ValueError(
+                f"weight of shape {tuple(weight.shape)} does not fit a {self.in_features} -> {self.out_features} layer"
+            )
+        w2d = weight.detach().to(self.codes.device, torch.float32).reshape(self.out_features, self.in_features)
+        if self.format == "nvfp4":
+            codes, block_scales, scale, k = _nvfp4_pack(w2d.contiguous())
+            self.block_scales.copy_(block_scales.view(torch.uint8))
+        else:
+            codes, scale, k = _fp8_pack(w2d)
+        self.codes.copy_(codes.view(torch.uint8))
         self.weight_scale.copy_(torch.tensor(scale, dtype=torch.float32).view(torch.int32))
         self.weight_pow2.fill_(k)
         return self
 
+    def weight_parts(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight without its tensor scale, ``[out, in]`` in ``dtype``: NVFP4 ``q * s_b``, FP8 the E4M3 values
+        (exact in bf16, fp16 and fp32)."""
+        if self.format == "fp8":
+            return self.codes.view(torch.float8_e4m3fn).to(dtype)
+        q = unpack_e2m1(self.codes, dtype).view(self.out_features, -1, NVFP4_BLOCK)
+        return (q * self.block_scales.view(torch.float8_e4m3fn).to(dtype).unsqueeze(-1)).view(
+            self.out_features, self.in_features
+        )
+
     def dequantized_weight(self) -> torch.Tensor:
-        """The fake-quantized weight, float32 ``[out, in]`` (== ``fq(weight)`` in float32): ``_decode`` with the
-        scale and exponent as tensors."""
-        out = self.weight_q.to(torch.float32) * self.weight_scale.view(torch.float32)
+        """The quantized weight decoded, float32 ``[out, in]`` (== ``fq(weight)`` in float32): ``q * s_b``, then
+        the tensor scale, then the power-of-two exponent."""
+        out = self.weight_parts(torch.float32) * self.weight_scale.view(torch.float32)
         return torch.ldexp(out, -self.weight_pow2)
 
-    def _fq(self, x: torch.Tensor) -> torch.Tensor:
-        """Activations ``[B, ..., K]``: one tensor scale per sample, or per call."""
+    def _activation(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``_per_sample_parts`` of activations ``[B, ..., K]``: one tensor scale per sample, or per call
+        (the whole call as one sample; no host sync, so it compiles into the block's graph)."""
         if self.activation_scale == "sample":
-            return fake_quantize_per_sample(x, self.format)
-        # The whole call as one sample: the same values as nvfp4_fake_quantize / fp8_e4m3_fake_quantize (tested),
-        # and no host sync, so it compiles into the block's graph.
-        return fake_quantize_per_sample(x.unsqueeze(0), self.format).squeeze(0)
+            return _per_sample_parts(x, self.format)
+        qs, g, k = _per_sample_parts(x.unsqueeze(0), self.format)
+        return qs.squeeze(0), g.expand(x.shape[0]), k.expand(x.shape[0])
+
+    def _matmul(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        if not self.is_conv:
+            return F.linear(x, w, b)
+        return F.conv2d(x, w.view(self.out_features, self.in_features, 1, 1), b, **self.conv_args)
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -465,25 +540,32 @@ class FakeQuantLinear(nn.Module):
         Raises:
             ValueError: non-finite activations (RuntimeError inside a compiled block).
         """
-        w = self.dequantized_weight()
-        b = None if self.bias is None else self.bias.detach().to(torch.float32)
+        dtype = compute_dtype(x)
+        unbatched = self.is_conv and x.dim() == 3  # a conv's unbatched [C, H, W] input is one sample
         xf = x.to(torch.float32)
+        if unbatched or x.dim() == 1:
+            xf = xf.unsqueeze(0)
         if self.is_conv:
-            conv = self.module
-            batched = xf.dim() == 4  # [B, C, H, W], or unbatched [C, H, W] (one sample)
-            channels_last = (xf if batched else xf.unsqueeze(0)).movedim(1, -1).contiguous()  # [B, H, W, C]
-            xq = self._fq(channels_last).movedim(-1, 1)
-            xq = xq if batched else xq.squeeze(0)
-            out = F.conv2d(
-                xq,
-                w.view(self.out_features, self.in_features, 1, 1),
-                b,
-                stride=conv.stride,
-                padding=conv.padding,
-                dilation=conv.dilation,
-            )
-        else:
-            out = F.linear(self._fq(xf), w, b)
+            xf = xf.movedim(1, -1).contiguous()  # [B, H, W, C]: blocks along the channels
+        if xf.numel() == 0:
+            return self._matmul(x, self.dequantized_weight().to(x.dtype), self.bias)
+        qs, g, k = self._activation(xf)
+        if self.is_conv:
+            qs = qs.movedim(-1, 1)
+        shape = (qs.shape[0], *([1] * (qs.dim() - 1)))
+        b = None if self.bias is None else self.bias.detach().to(torch.float32)
+        if dtype == torch.float32:  # the reference: both operands decoded whole in float32
+            xq = (qs * g.view(shape)) * torch.ldexp(torch.ones_like(g), -k).view(shape)
+            out = self._matmul(xq, self.dequantized_weight(), b)
+        else:  # block-scaled operands in bf16 / fp16, both tensor scales applied to the GEMM's output
+            with torch.autocast(x.device.type, enabled=False):
+                out = self._matmul(qs.to(dtype), self.weight_parts(dtype), None).to(torch.float32)
+            w_scale = torch.ldexp(self.weight_scale.view(torch.float32), -self.weight_pow2)
+            out = out * (torch.ldexp(g, -k) * w_scale).view(shape)
+            if b is not None:
+                out = out + (b.view(-1, 1, 1) if self.is_conv else b)
+        if unbatched or x.dim() == 1:
+            out = out.squeeze(0)
         return out.to(x.dtype)
 
     def extra_repr(self) -> str:
@@ -518,22 +600,26 @@ def eligible_layers(
         ValueError: unknown ``fmt`` (the message lists the valid ones).
     """
     _check_fmt(fmt)
-    targets: list[tuple[str, nn.Module]] = []
-    for name, module in model.named_modules():
-        if not name or isinstance(module, FakeQuantLinear):
-            continue
-        dims = _eligible_dims(module)
-        if dims is None:
-            continue
-        if any(s in name for s in skip):
-            continue
-        in_f, out_f = dims
-        if max(in_f, out_f) <= min_dim:
-            continue
-        if fmt == "nvfp4" and in_f % NVFP4_BLOCK != 0:
-            continue
-        targets.append((name, module))
-    return targets
+    return [
+        (name, module)
+        for name, module in model.named_modules()
+        if name and layer_eligible(name, module, fmt=fmt, skip=skip, min_dim=min_dim)
+    ]
+
+
+def layer_eligible(
+    name: str, module: nn.Module, *, fmt: str = "nvfp4", skip: Sequence[str] = (), min_dim: int = 0
+) -> bool:
+    """Whether the layer ``name`` is one the explore copy quantizes (the rule of :func:`eligible_layers`)."""
+    if isinstance(module, FakeQuantLinear):
+        return False
+    dims = _eligible_dims(module)
+    if dims is None or any(s in name for s in skip):
+        return False
+    in_f, out_f = dims
+    if max(in_f, out_f) <= min_dim:
+        return False
+    return not (fmt == "nvfp4" and in_f % NVFP4_BLOCK != 0)
 
 
 def quantize_model_(
@@ -568,17 +654,16 @@ def quantize_model_(
     return sorted(name for name, _ in targets)
 
 
-def requantize_model_(model: nn.Module) -> int:
-    """Call :meth:`FakeQuantLinear.requantize_` on every wrapper in ``model``.
-
-    Use after every weight sync to the explore copy (no module rebuild).
+def requantize_model_(model: nn.Module, weights: Mapping[str, torch.Tensor]) -> int:
+    """Encode ``weights[name]`` into every :class:`FakeQuantLinear` of ``model`` whose qualified name is in
+    ``weights`` (:meth:`FakeQuantLinear.requantize_`, in place: a weight sync, no module rebuild).
 
     Returns:
         How many modules were re-quantized.
     """
     n = 0
-    for module in model.modules():
-        if isinstance(module, FakeQuantLinear):
-            module.requantize_()
+    for name, module in model.named_modules():
+        if isinstance(module, FakeQuantLinear) and name in weights:
+            module.requantize_(weights[name])
             n += 1
     return n
