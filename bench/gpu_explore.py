@@ -48,7 +48,6 @@ from solrl.stages.models.sana import Sana, TinySana
 from solrl.stages.models.sd3 import SD3, TinySD3
 from solrl.stages.models.wan import TinyWan, Wan
 from solrl.stages.models.z_image import TinyZImage, ZImage
-from solrl.stages.quant import quantize_model_
 from solrl.stages.quant.availability import runnable_precisions, unavailable_reason
 from solrl.stages.sampling.compiled import compiled_blocks
 
@@ -254,19 +253,18 @@ CASES = {
 
 
 def explore_copy(net: torch.nn.Module, precision: str, case: Case, smoke: bool) -> torch.nn.Module:
-    import copy
-
+    """The product's explore copy of ``net`` (a plain transformer: nothing merged; frozen tensors shared)."""
     if precision == "bf16":
         return net
     min_dim = 0 if smoke else case.min_dim
-    clone = copy.deepcopy(net)
     skip = case.family.nvfp4_skip
     if precision.endswith("_emulated"):
-        quantize_model_(clone, fmt=precision.removesuffix("_emulated"), skip=skip, min_dim=min_dim)
-        return clone
+        from solrl.stages.quant.backends import emulated_copy
+
+        return emulated_copy(net, precision.removesuffix("_emulated"), skip, min_dim)
     from solrl.stages.quant.hardware import te_explore_copy
 
-    return te_explore_copy(clone, precision, skip, min_dim)
+    return te_explore_copy(net, precision, skip, min_dim)
 
 
 def sync(device: torch.device) -> None:

@@ -3,6 +3,8 @@ quantized GEMM, the one rule for which layers TE takes, and the version floor (i
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -70,3 +72,99 @@ def test_te_weight_bytes_follow_te_storage_of_row_wise_quantized_weights():
     assert te_weight_bytes(3072, 3072, "nvfp4") == 3072 * 3072 // 2 + 3072 * 192 + 4
     assert te_weight_bytes(48, 16, "nvfp4") == 16 * 48 // 2 + 128 * 4 + 4
     assert te_weight_bytes(48, 16, "fp8") == 16 * 48 + 4  # one byte a weight and an FP32 scale_inv
+
+
+def test_the_gpu_smoke_script_writes_every_table_and_says_why_a_check_did_not_run(tmp_path):
+    """bench/gpu_smoke.py, kept ready for a lent GPU: on this machine every check writes its table, each row
+    that needs a GPU or Transformer Engine giving the reason it did not run."""
+    import os
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "bench" / "gpu_smoke.py"
+    env = {**os.environ, "OUT": str(tmp_path)}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    tables = (tmp_path / "gpu_smoke.md").read_text()
+    assert tables.count("\n## ") == 6 and "failed" not in tables
+    if not torch.cuda.is_available():
+        assert (
+            tables.count("not run: this machine has no CUDA device") == 2 + 2 + 3
+        )  # checks 2 and 3 per precision, 4 to 6
+
+
+def _te_source() -> Path:
+    """The installed Transformer Engine package's folder (the test extra pins its pure-Python meta package at
+    solrl's floor; importing it raises without TE's CUDA libraries, so nothing here imports it)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("transformer_engine")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("transformer-engine is not installed (pip install -e '.[test]')")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _te_recipe_module():
+    import importlib.util
+    import sys
+
+    path = _te_source() / "common" / "recipe" / "__init__.py"
+    spec = importlib.util.spec_from_file_location("solrl_test_te_recipe", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # pydantic dataclasses resolve their annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+def _signature(path: Path, qualname: str) -> list[str]:
+    import ast
+
+    tree = ast.parse(path.read_text())
+    *owner, name = qualname.split(".")
+    scope = tree.body
+    for part in owner:
+        scope = next(n for n in scope if isinstance(n, ast.ClassDef) and n.name == part).body
+    node = next(n for n in scope if isinstance(n, ast.FunctionDef) and n.name == name)
+    return [a.arg for a in [*node.args.args, *node.args.kwonlyargs]]
+
+
+def test_solrl_builds_its_recipes_with_transformer_engines_own_recipe_module():
+    """solrl's recipes constructed with TE's recipe module at the floor version: 1x16 weight blocks, no Hadamard
+    transform, no stochastic rounding; FP8 E4M3 with split accumulation in the forward GEMM."""
+    from solrl.stages.quant.hardware import te_recipe
+
+    recipe = _te_recipe_module()
+    nvfp4 = te_recipe("nvfp4", recipe)
+    assert isinstance(nvfp4, recipe.NVFP4BlockScaling)
+    for params in (nvfp4.fp4_quant_fwd_weight, nvfp4.fp4_quant_fwd_inp):
+        assert not params.fp4_2d_quantization and not params.random_hadamard_transform
+        assert not params.stochastic_rounding
+    # Per-row activation amax exists from TE 2.16; solrl asks for it where the recipe has the field.
+    assert getattr(nvfp4, "row_scaled_activation", True)
+    fp8 = te_recipe("fp8", recipe)
+    assert isinstance(fp8, recipe.Float8CurrentScaling) and fp8.fp8_format == recipe.Format.E4M3
+    assert fp8.fp8_gemm_fprop.use_split_accumulator
+    with pytest.raises(ValueError, match="nvfp4 or fp8"):
+        te_recipe("int8", recipe)
+
+
+def test_the_transformer_engine_calls_solrl_makes_exist_with_these_arguments_in_its_source():
+    """Each TE call of ``stages/quant/{availability,hardware}.py`` against the installed TE's source (the
+    PyTorch extension cannot be built without CUDA): names, keyword arguments, and the behaviours relied on."""
+    te = _te_source() / "pytorch"
+    exported = (te / "__init__.py").read_text()
+    for name in ("Linear", "autocast", "quantized_model_init", "is_fp8_available", "is_nvfp4_available"):
+        assert f"import {name}\n" in exported, name
+    quantization = te / "quantization.py"
+    assert {"return_reason"} <= set(_signature(quantization, "is_fp8_available"))
+    assert {"return_reason"} <= set(_signature(quantization, "is_nvfp4_available"))
+    assert {"enabled", "recipe"} <= set(_signature(quantization, "autocast"))
+    assert {"enabled", "recipe"} <= set(_signature(quantization, "quantized_model_init"))
+    linear = _signature(te / "module" / "linear.py", "Linear.__init__")
+    assert linear[1:3] == ["in_features", "out_features"] and {"bias", "params_dtype", "device"} <= set(linear)
+    # FP8 GEMM operands: rows % 8 and K % 16 (TE_ROW_MULTIPLE, TE_DIM_MULTIPLE; the weight [out, in] too).
+    assert "math.prod(tensor.shape[:-1]) % 8 == 0 and tensor.shape[-1] % 16 == 0" in (te / "utils.py").read_text()
+    assert TE_ROW_MULTIPLE["fp8"] == 8 and te_takes(16, 8, "fp8") and not te_takes(16, 4, "fp8")
+    # Under no_grad a quantized_model_init weight keeps row-wise data only; copy_ into it re-quantizes.
+    assert "set_usage(rowwise=True, columnwise=torch.is_grad_enabled())" in (te / "module" / "base.py").read_text()
+    assert "dst.quantize_(src)" in (te / "tensor" / "quantized_tensor.py").read_text()

@@ -94,8 +94,9 @@ class _UnderAutocast(nn.Module):
             return self.net(*args, **kwargs)
 
 
-def te_recipe(precision: str) -> Any:
-    """The Transformer Engine recipe of ``precision`` (TE >= 2.9, ``transformer_engine.common.recipe``).
+def te_recipe(precision: str, recipe: Any = None) -> Any:
+    """The Transformer Engine recipe of ``precision`` (TE >= 2.9; ``recipe`` the ``transformer_engine.common.recipe``
+    module, imported when None).
 
     * ``nvfp4``: ``NVFP4BlockScaling`` with 1x16 weight blocks along K as in ``nvfp4_emulated`` and DESIGN 2
       (TE's default is 16x16 2-D weight blocks), no random Hadamard transform, no stochastic rounding: TE's own
@@ -110,7 +111,8 @@ def te_recipe(precision: str) -> Any:
     """
     import dataclasses
 
-    from transformer_engine.common import recipe
+    if recipe is None:
+        from transformer_engine.common import recipe
 
     if precision == "nvfp4":
         fields = {f.name for f in dataclasses.fields(recipe.NVFP4BlockScaling)}
