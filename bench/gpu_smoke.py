@@ -10,12 +10,13 @@ Every check the CPU cannot make (issue 35), each writing one markdown table (to 
    shapes TE refuses) and inside ``RowPadded`` (the product's path: none may fail);
 3. weights with and without ``quantized_model_init`` under ``no_grad``: the weight's type, its bytes, and
    ``max_memory_allocated`` around one forward;
-4. explore through the product (``rollout_network``) on tiny-sd3, tiny-flux and tiny-sana at batch 4 and 24:
-   the velocity's error against the BF16 policy and against the emulated copy, and the copy's bytes against
+4. explore through the product (``rollout_network``) with Transformer Engine (``fp8``, ``nvfp4``) and torchao
+   (``torchao_fp8``, ``torchao_nvfp4``) on tiny-sd3, tiny-flux and tiny-sana at batch 4 and 24: the velocity's
+   error against the BF16 policy and against the emulated copy at per-call scales, and the copy's bytes against
    what the memory plan counts (``copy_bytes``);
-5. graph breaks of one compiled forward of the TE copy (``torch._dynamo.explain``);
-6. one seed alone against the same seed inside a batch of 24 (TE scales activations per call; NVFP4 per row
-   where TE >= 2.16 has ``row_scaled_activation``).
+5. graph breaks of one compiled forward of each quantized copy (``torch._dynamo.explain``);
+6. one seed alone against the same seed inside a batch of 24 (TE scales activations per call, NVFP4 per row
+   where TE >= 2.16 has ``row_scaled_activation``; torchao FP8 per token).
 
 NVFP4 needs sm_100 (Blackwell): on an H200 (sm_90) its rows say so and only FP8 runs.
 
@@ -212,19 +213,25 @@ def _inputs(policy, batch: int, seed: int = 0):
     return x, sigma, policy.model.encode(["a photo of a cat"] * batch)
 
 
-def _each_family(run: Callable[[str, object, object], list[list[object]]], width: int) -> list[list[object]]:
+#: The explore backends checked through the product (NVFP4's need sm_100: their rows say so on an H200).
+EXPLORE = ("fp8", "torchao_fp8", "nvfp4", "torchao_nvfp4")
+
+
+def _each_family(run: Callable[[str, str, object, object], list[list[object]]], width: int) -> list[list[object]]:
     rows: list[list[object]] = []
-    reason = unavailable_reason("fp8")
-    if reason is not None:
-        return [["-", *["-"] * (width - 2), f"not run: {reason}"]]
     with tempfile.TemporaryDirectory() as tmp:
-        for family in FAMILIES:
-            try:
-                cfg, policy = _policy(family, Path(tmp))
-                rows += run(family, cfg, policy)
-            except Exception as exc:
-                traceback.print_exc()
-                rows.append([family, *["-"] * (width - 2), _error(exc)])
+        for precision in EXPLORE:
+            reason = unavailable_reason(precision)
+            if reason is not None:
+                rows.append([precision, *["-"] * (width - 2), f"not run: {reason}"])
+                continue
+            for family in FAMILIES:
+                try:
+                    cfg, policy = _policy(family, Path(tmp))
+                    rows += run(precision, family, cfg, policy)
+                except Exception as exc:
+                    traceback.print_exc()
+                    rows.append([precision, family, *["-"] * (width - 3), _error(exc)])
     return rows
 
 
@@ -232,60 +239,62 @@ def check_explore() -> str:
     from solrl.registry import EXPLORE_BACKENDS
     from solrl.stages.quant.backends import rollout_network
 
-    def run(family, cfg, policy):
+    def run(precision, family, cfg, policy):
         out = []
         skip, min_dim = policy.model.nvfp4_skip, cfg.explore.min_dim
-        planned = EXPLORE_BACKENDS.get("fp8").copy_bytes(policy.transformer, skip, min_dim)
+        planned = EXPLORE_BACKENDS.get(precision).copy_bytes(policy.transformer, skip, min_dim)
+        emulated = "nvfp4_emulated" if "nvfp4" in precision else "fp8_emulated"
         for batch in (4, 24):
             x, sigma, cond = _inputs(policy, batch)
             with torch.no_grad():
                 with rollout_network(policy, "bf16") as net:
                     bf16 = policy.model.velocity(net, x, sigma, cond)
-                with rollout_network(policy, "fp8_emulated", min_dim, "call", keep_copy="none") as net:
-                    emulated = policy.model.velocity(net, x, sigma, cond)
-                with rollout_network(policy, "fp8", min_dim) as net:
-                    fp8 = policy.model.velocity(net, x, sigma, cond)
+                with rollout_network(policy, emulated, min_dim, "call", keep_copy="none") as net:
+                    reference = policy.model.velocity(net, x, sigma, cond)
+                with rollout_network(policy, precision, min_dim) as net:
+                    quantized = policy.model.velocity(net, x, sigma, cond)
                     owned = policy.owned_bytes(net)
-            out.append([family, batch, _rel(fp8, bf16), _rel(fp8, emulated), owned, planned, "ok"])
+            out.append(
+                [precision, family, batch, _rel(quantized, bf16), _rel(quantized, reference), owned, planned, "ok"]
+            )
         policy.explore_copies.clear()
         return out
 
-    header = ["family", "batch", "rel. error vs bf16", "vs fp8_emulated (per call)", "copy bytes", "planned", "result"]
-    return table("4. FP8 explore through the product", header, _each_family(run, len(header)))
+    header = ["precision", "family", "batch", "rel. error vs bf16", "vs emulated (per call)", "copy bytes"]
+    header += ["planned", "result"]
+    return table("4. Explore through the product", header, _each_family(run, len(header)))
 
 
 def check_compile() -> str:
     from solrl.stages.quant.backends import rollout_network
 
-    def run(family, cfg, policy):
+    def run(precision, family, cfg, policy):
         x, sigma, cond = _inputs(policy, 4)
-        with torch.no_grad(), rollout_network(policy, "fp8", cfg.explore.min_dim) as net:
+        with torch.no_grad(), rollout_network(policy, precision, cfg.explore.min_dim) as net:
             explained = torch._dynamo.explain(lambda x: policy.model.velocity(net, x, sigma, cond))(x)
         reasons = sorted({str(b.reason).splitlines()[0][:80] for b in explained.break_reasons})
         torch._dynamo.reset()
-        return [[family, explained.graph_count, explained.graph_break_count, "; ".join(reasons[:3]) or "-", "ok"]]
+        policy.explore_copies.clear()
+        row = [precision, family, explained.graph_count, explained.graph_break_count, "; ".join(reasons[:3]) or "-"]
+        return [[*row, "ok"]]
 
-    header = ["family", "graphs", "graph breaks", "first reasons", "result"]
-    return table("5. Graph breaks of the TE copy under torch.compile", header, _each_family(run, len(header)))
+    header = ["precision", "family", "graphs", "graph breaks", "first reasons", "result"]
+    return table("5. Graph breaks of the quantized copy under torch.compile", header, _each_family(run, len(header)))
 
 
 def check_batch_invariance() -> str:
     from solrl.stages.quant.backends import rollout_network
 
-    def run(family, cfg, policy):
-        out = []
+    def run(precision, family, cfg, policy):
         x, sigma, cond = _inputs(policy, 24, seed=1)
         alone = (x[:1], sigma[:1], policy.model.encode(["a photo of a cat"]))
-        for precision, scale in (("fp8", "call"), ("fp8_emulated", "sample"), ("fp8_emulated", "call")):
-            with torch.no_grad(), rollout_network(policy, precision, cfg.explore.min_dim, scale) as net:
-                in_batch = policy.model.velocity(net, x, sigma, cond)[:1]
-                single = policy.model.velocity(net, *alone)
-            diff = (in_batch.float() - single.float()).abs().max().item()
-            out.append([family, precision, scale, f"{diff:.3e}", "ok"])
+        with torch.no_grad(), rollout_network(policy, precision, cfg.explore.min_dim) as net:
+            in_batch = policy.model.velocity(net, x, sigma, cond)[:1]
+            single = policy.model.velocity(net, *alone)
         policy.explore_copies.clear()
-        return out
+        return [[precision, family, f"{(in_batch.float() - single.float()).abs().max().item():.3e}", "ok"]]
 
-    header = ["family", "precision", "activation scale", "max abs diff (alone vs in a batch of 24)", "result"]
+    header = ["precision", "family", "max abs diff (alone vs in a batch of 24)", "result"]
     return table("6. One seed alone against inside a batch of 24", header, _each_family(run, len(header)))
 
 

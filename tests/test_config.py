@@ -171,7 +171,7 @@ def test_unreadable_prompt_file(tmp_path: Path):
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks a machine without CUDA")
-@pytest.mark.parametrize("precision", ["nvfp4", "fp8"])
+@pytest.mark.parametrize("precision", ["nvfp4", "fp8", "torchao_fp8", "torchao_nvfp4"])
 def test_hardware_precision_without_the_hardware_is_valid_but_refused_where_work_starts(precision):
     cfg = load_config(None, [f"explore.precision={precision}"])
     with pytest.raises(

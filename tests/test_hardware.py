@@ -74,6 +74,16 @@ def test_te_weight_bytes_follow_te_storage_of_row_wise_quantized_weights():
     assert te_weight_bytes(48, 16, "fp8") == 16 * 48 + 4  # one byte a weight and an FP32 scale_inv
 
 
+def test_torchao_weight_bytes_and_the_layers_it_takes():
+    from solrl.stages.quant.ao import ao_takes, ao_weight_bytes
+
+    assert ao_weight_bytes(3072, 3072, "torchao_nvfp4") == 3072 * 3072 // 2 + 3072 * 192 + 4
+    assert ao_weight_bytes(48, 16, "torchao_fp8") == 16 * 48 + 4 * 16  # an FP32 scale per output row
+    assert ao_takes("blocks.0.ff", nn.Linear(48, 32), (), 0) and not ao_takes("blocks.0.ff", nn.Linear(48, 24), (), 0)
+    assert not ao_takes("proj_out", nn.Linear(48, 32), ("proj_out",), 0)  # the skip rule
+    assert not ao_takes("ff.conv", nn.Conv2d(48, 32, 1), (), 0)  # torchao quantizes Linears only
+
+
 def test_the_gpu_smoke_script_writes_every_table_and_says_why_a_check_did_not_run(tmp_path):
     """bench/gpu_smoke.py, kept ready for a lent GPU: on this machine every check writes its table, each row
     that needs a GPU or Transformer Engine giving the reason it did not run."""
@@ -88,9 +98,8 @@ def test_the_gpu_smoke_script_writes_every_table_and_says_why_a_check_did_not_ru
     tables = (tmp_path / "gpu_smoke.md").read_text()
     assert tables.count("\n## ") == 6 and "failed" not in tables
     if not torch.cuda.is_available():
-        assert (
-            tables.count("not run: this machine has no CUDA device") == 2 + 2 + 3
-        )  # checks 2 and 3 per precision, 4 to 6
+        # Checks 2 and 3: a row per TE precision; 4 to 6: a row per quantized explore backend.
+        assert tables.count("not run: this machine has no CUDA device") == 2 + 2 + 3 * 4
 
 
 def _te_source() -> Path:

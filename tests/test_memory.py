@@ -119,6 +119,8 @@ def test_published_nvfp4_copies_hold_at_most_035x_of_the_transformer(preset):
     assert 0 < copies["fp8"] <= 0.6 * footprint.transformer and 0 < copies["fp8_emulated"] <= 0.6 * (
         footprint.transformer
     )
+    assert 0 < copies["torchao_nvfp4"] <= 0.35 * footprint.transformer
+    assert 0 < copies["torchao_fp8"] <= 0.6 * footprint.transformer
 
 
 def test_fsdp_shards_the_update_over_its_processes_after_loading_the_whole_base(digits_footprint):

@@ -144,7 +144,7 @@ class Policy:
         for name, module in self.transformer.named_modules():
             if not isinstance(module, BaseTunerLayer):
                 continue
-            weight = _merged_weight(module, which)
+            weight = merged_weight(module, which)
             target = net.get_submodule(name)
             if hasattr(target, "requantize_"):
                 target.requantize_(weight)
@@ -169,12 +169,28 @@ class Policy:
 Convert = Callable[[str, nn.Module, torch.Tensor], "nn.Module | None"]
 
 
-def _merged_weight(module: nn.Module, which: Which) -> torch.Tensor:
+def merged_weight(module: nn.Module, which: Which) -> torch.Tensor:
     """``base + delta(which)`` of one peft LoRA layer (the base weight itself for the reference policy)."""
     weight = module.get_base_layer().weight
     if which == "reference":
         return weight
     return weight + module.get_delta_weight(which).to(weight.dtype)
+
+
+def copy_layers(transformer: nn.Module) -> Iterator[tuple[str, nn.Module, bool]]:
+    """``(name, layer, lora)`` of the leaf layers a merged copy of the peft ``transformer`` has: a LoRA-wrapped
+    layer's base layer (``lora`` True; its adapters are not walked), and every other module."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    inside: tuple[str, ...] = ()
+    for name, module in transformer.named_modules():
+        if inside and name.startswith(inside):
+            continue
+        if isinstance(module, BaseTunerLayer):
+            inside = (*inside, name + ".")
+            yield name, module.get_base_layer(), True
+        elif name:
+            yield name, module, False
 
 
 def _tensors(module: nn.Module) -> Iterator[torch.Tensor]:
@@ -214,7 +230,7 @@ def merged_copy_of(transformer: nn.Module, which: Which = "rollout", convert: Co
             memo[id(t)] = t
     for name, module in lora_layers:
         base = module.get_base_layer()
-        weight = _merged_weight(module, which)
+        weight = merged_weight(module, which)
         layer = convert(name, base, weight) if convert is not None else None
         if layer is None:
             merged = weight if which != "reference" else weight.clone()

@@ -5,6 +5,8 @@
 | ``bf16``, ``nvfp4_emulated``, ``fp8_emulated`` | nothing: run anywhere, CPU included |
 | ``fp8`` | a CUDA GPU of compute capability >= 8.9 (Ada, Hopper, Blackwell) and Transformer Engine |
 | ``nvfp4`` | a CUDA GPU of compute capability >= 10.0 (Blackwell) and Transformer Engine (NVFP4BlockScaling) |
+| ``torchao_fp8`` | a CUDA GPU of compute capability >= 8.9 and torchao's inference configs |
+| ``torchao_nvfp4`` | a CUDA GPU of compute capability >= 10.0 and torchao's inference configs |
 
 Asking for a backend the machine cannot run is a configuration error that names the backends it can.
 """
@@ -14,7 +16,7 @@ from __future__ import annotations
 from functools import cache
 
 #: Hardware precisions -> the compute capability they need; every other precision runs anywhere.
-HARDWARE = {"fp8": (8, 9), "nvfp4": (10, 0)}
+HARDWARE = {"fp8": (8, 9), "nvfp4": (10, 0), "torchao_fp8": (8, 9), "torchao_nvfp4": (10, 0)}
 
 
 #: The first Transformer Engine release with ``is_fp8_available`` / ``is_nvfp4_available(return_reason=True)``.
@@ -62,6 +64,10 @@ def unavailable_reason(precision: str) -> str | None:
     if have < need:
         name = torch.cuda.get_device_name()
         return f"{name} has compute capability {have[0]}.{have[1]}, {precision} needs >= {need[0]}.{need[1]}"
+    if precision.startswith("torchao_"):
+        from solrl.stages.quant.ao import ao_reason
+
+        return ao_reason()
     return _transformer_engine_reason(precision)
 
 

@@ -9,6 +9,8 @@ Each backend registers under its ``explore.precision`` name:
 | ``fp8_emulated`` | anywhere | the same, W8A8 in per-tensor FP8 E4M3 |
 | ``nvfp4`` | Blackwell + Transformer Engine | the same layers as TE Linears under ``NVFP4BlockScaling`` |
 | ``fp8`` | Ada / Hopper / Blackwell + TE | the same layers as TE Linears under ``Float8CurrentScaling(E4M3)`` |
+| ``torchao_fp8`` | Ada, Hopper, Blackwell | the same Linears, torchao's ``Float8DynamicActivationFloat8WeightConfig`` |
+| ``torchao_nvfp4`` | Blackwell | the same Linears, torchao's ``NVFP4DynamicActivationNVFP4WeightConfig`` |
 
 Layers follow the Sol-RL skip rule: the model adapter's skip list, plus ``max(in, out) <= min_dim``. Whether
 a backend runs on this machine is its ``unavailable_reason``, checked where work starts (``solrl run``,
@@ -182,6 +184,56 @@ class FP8(_TransformerEngine):
 #: on the device (no rebuild, no transfer; it stays resident through score, regenerate and update), in host
 #: memory (moved back and synced at the next explore), or nowhere (rebuilt at the next explore).
 KEEP_COPY = ("device", "host", "none")
+
+
+class _TorchAO(ExploreBackend):
+    """torchao's inference quantization (``solrl.stages.quant.ao``): compile-friendly tensor subclasses."""
+
+    @classmethod
+    def copy_bytes(cls, transformer: nn.Module, skip: tuple[str, ...] = (), min_dim: int = 0) -> int:
+        """Counted from shapes (``solrl.stages.quant.ao.ao_copy_bytes``): torchao's tensors need a GPU."""
+        from solrl.stages.quant.ao import ao_copy_bytes
+
+        return ao_copy_bytes(transformer, cls.name, skip, min_dim)
+
+    @classmethod
+    @contextmanager
+    def network(
+        cls, policy: Policy, min_dim: int = 0, activation_scale: str = "sample", keep_copy: str = "device"
+    ) -> Iterator[nn.Module]:
+        """The cached torchao copy, built once and then re-quantized layer by layer after each update. Its
+        quantized weights stay on the GPU: ``keep_copy=host`` frees the copy as ``none`` does."""
+        check_precision(cls.name)
+        from solrl.stages.quant.ao import ao_explore_copy, ao_sync_
+
+        start = time.perf_counter()
+        key = (cls.name, min_dim, "torchao")
+        net = policy.explore_copies.get(key)
+        if net is None:
+            net = ao_explore_copy(policy.transformer, cls.name, policy.model.nvfp4_skip, min_dim)
+            policy.explore_copies[key] = net
+        else:
+            ao_sync_(policy, net, cls.name)
+        policy.explore_sync_seconds = time.perf_counter() - start
+        try:
+            yield net
+        finally:
+            _release(policy, key, "none" if keep_copy == "host" else keep_copy)
+
+
+@register_explore_backend("torchao_fp8")
+class TorchAOFP8(_TorchAO):
+    """FP8 E4M3 W8A8 through torchao (per-row weight scales, per-token activation scales) on Ada, Hopper or
+    Blackwell."""
+
+    name = "torchao_fp8"
+
+
+@register_explore_backend("torchao_nvfp4")
+class TorchAONVFP4(_TorchAO):
+    """NVFP4 W4A4 through torchao's ``NVFP4DynamicActivationNVFP4WeightConfig`` on Blackwell."""
+
+    name = "torchao_nvfp4"
 
 
 def _first_adapter(transformer: nn.Module) -> str:

@@ -12,7 +12,6 @@ Not verified on hardware yet: no CI machine has a GPU (see README, "What is veri
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -141,28 +140,14 @@ def te_weight_bytes(in_features: int, out_features: int, precision: str) -> int:
     return out_features * in_features + 4
 
 
-def _copy_layers(transformer: nn.Module) -> Iterator[tuple[str, nn.Module, bool]]:
-    """``(name, layer, lora)`` of the leaf layers a merged copy of the peft ``transformer`` has: a LoRA-wrapped
-    layer's base layer (``lora`` True; its adapters are not walked), and every other module."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    inside: tuple[str, ...] = ()
-    for name, module in transformer.named_modules():
-        if inside and name.startswith(inside):
-            continue
-        if isinstance(module, BaseTunerLayer):
-            inside = (*inside, name + ".")
-            yield name, module.get_base_layer(), True
-        elif name:
-            yield name, module, False
-
-
 def te_copy_bytes(transformer: nn.Module, precision: str, skip: tuple[str, ...], min_dim: int) -> int:
     """Bytes a :func:`te_explore_copy` of the peft ``transformer`` holds beyond the policy, counted from shapes
     (``te_weight_bytes`` and a bf16 bias per TE layer, a bf16 merged weight per LoRA layer TE cannot take).
     Transformer Engine's workspaces and its per-module metadata (a few scalars) are not counted."""
+    from solrl.stages.models.policy import copy_layers
+
     total = 0
-    for name, layer, lora in _copy_layers(transformer):
+    for name, layer, lora in copy_layers(transformer):
         dims = _te_dims(name, layer, skip, min_dim)
         if dims is not None and te_takes(*dims, precision):
             bias = getattr(layer, "bias", None)
