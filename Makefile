@@ -18,13 +18,21 @@ $(BIN)/.installed: pyproject.toml constraints/cpu.txt constraints/test.txt
 	$(BIN)/python -m pip install --quiet $(TORCH_CONSTRAINTS) -c constraints/test.txt -e '.[test]'
 	touch $@
 
-install: $(BIN)/.installed
+# Transformer Engine's Python sources at solrl's floor, unpacked beside the venv and never installed (with TE's meta
+# package installed, diffusers and peft try to import it and fail without CUDA): tests/test_hardware.py builds
+# solrl's recipes with TE's own recipe module and checks solrl's TE calls against its source.
+TE_SOURCE := $(VENV)/te-source/2.9.0
+$(TE_SOURCE)/transformer_engine: | $(BIN)/.installed
+	$(BIN)/python -m pip download --quiet --no-deps transformer-engine==2.9.0 -d $(VENV)/te-source
+	$(BIN)/python -m zipfile -e $(VENV)/te-source/transformer_engine-2.9.0-py3-none-any.whl $(TE_SOURCE)
+
+install: $(BIN)/.installed $(TE_SOURCE)/transformer_engine
 
 demo: $(BIN)/.installed
 	$(BIN)/solrl run tiny-digits
 
 # Formatting and lint are the machine's job (ruff, configured in pyproject.toml); `make test` runs them first.
-lint: $(BIN)/.installed
+lint: install
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
 
