@@ -127,6 +127,11 @@ def main() -> None:
     header = "| preset | layout | " + " | ".join(f"{name} explore / regen / update" for name in GPU_SIZES)
     header += " | largest explore batch / micro-batch (" + ", ".join(GPU_SIZES) + ") |"
     table = [header, "| --- | --- | " + " | ".join("---" for _ in GPU_SIZES) + " | --- |"]
+    precisions = ["nvfp4", "nvfp4_emulated", "torchao_nvfp4", "fp8", "fp8_emulated", "torchao_fp8"]
+    copies = [
+        "| preset | explore.precision | " + " | ".join(precisions) + " |",
+        "| --- | --- | " + " | ".join("---:" for _ in precisions) + " |",
+    ]
     checks = [
         "| preset | saved, full depth (counted) | extrapolated from 2 and 4 blocks | difference |",
         "| --- | ---: | ---: | ---: |",
@@ -144,6 +149,11 @@ def main() -> None:
             f"{size(f.text_encoders)} | {size(f.saved.per_sample)} | {size(f.train.per_sample)} | "
             f"{size(f.train_checkpointed.per_sample)} | {size(f.sample.per_sample)} | {size(f.decode.per_sample)} | "
             f"{seconds:.1f} s |"
+        )
+        copies.append(
+            f"| {preset} | {cfg.explore.precision} | "
+            + " | ".join(f"{size(f.explore_copy[p])} ({f.explore_copy[p] / f.transformer:.2f}x)" for p in precisions)
+            + " |"
         )
         for label, kwargs in LAYOUTS:
             cells, largest = [], []
@@ -184,7 +194,19 @@ def main() -> None:
         "",
         *components,
         "",
+        "## The explore copy by precision: GiB beyond the policy, and as a fraction of the bf16 transformer",
+        "",
+        "Emulated copies built on the meta device and their own tensors summed (packed E2M1 codes, E4M3 block "
+        "scales, tensor scales, merged LoRA layers the skip rule keeps in bf16); Transformer Engine's and torchao's "
+        "counted from their storage layouts (`copy_bytes` of each backend). Frozen tensors are shared with the "
+        "policy and count 0.",
+        "",
+        *copies,
+        "",
         "## Per stage, per GPU",
+        "",
+        "Each preset at its own `explore.precision`, with `explore.keep_copy=host` (the default): the copy is on the "
+        "GPU during explore only.",
         "",
         *table,
         "",
