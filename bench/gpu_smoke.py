@@ -20,11 +20,15 @@ Every check the CPU cannot make (issue 35), each writing one markdown table (to 
 
 NVFP4 needs sm_100 (Blackwell): on an H200 (sm_90) its rows say so and only FP8 runs.
 
-On a lent GPU, from a fresh clone (PyPI's Linux torch wheels are CUDA builds; TE's PyTorch extension compiles
-against the installed torch):
+On a lent GPU, from a fresh clone (PyPI's Linux torch wheels are CUDA builds). torchao's checks need nothing more;
+Transformer Engine's PyTorch extension has no wheel on PyPI (``pip download --only-binary=:all:
+transformer-engine-torch`` finds none), so its install compiles it against the installed torch and needs the CUDA
+toolkit (minutes); run the script before and after it, or once after:
 
-    python -m venv .venv && .venv/bin/pip install -e '.[test]' 'transformer-engine[pytorch]>=2.9' --no-build-isolation
-    OUT=$OUT .venv/bin/python bench/gpu_smoke.py
+    python -m venv .venv && .venv/bin/pip install -e '.[test]'
+    OUT=$OUT .venv/bin/python bench/gpu_smoke.py                       # torchao and the emulation, no TE
+    .venv/bin/pip install --no-build-isolation 'transformer-engine[pytorch]>=2.9'
+    OUT=$OUT .venv/bin/python bench/gpu_smoke.py                       # every check
 
 On a machine without a GPU it runs what it can and says why the rest did not run (``tests/test_hardware.py``).
 """

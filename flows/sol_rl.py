@@ -15,6 +15,7 @@ attempt left running as Crashed (``solrl.flows.cockpit``).
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from prefect import flow, get_run_logger, tags, task
@@ -214,6 +215,16 @@ def _log_report(run, tracker: Tracker, logger) -> None:
     cockpit.link_report(run.run_id, page, "the campaign finished", logger)
 
 
+def _stop_status(exc: BaseException) -> str:
+    """The MLflow status of a campaign unwinding with ``exc``: KILLED for a stop (Ctrl-C; SIGTERM, which Prefect
+    raises as its TerminationSignal; or any exception once solrl's signal handler has fired, since a stop landing
+    inside Prefect's task setup surfaces as Prefect's own ``ValueError``), else FAILED."""
+    if isinstance(exc, (KeyboardInterrupt, TerminationSignal)):
+        return "KILLED"
+    cli = sys.modules.get("solrl.cli")  # its handlers are installed only where the CLI runs the campaign
+    return "KILLED" if cli is not None and cli.stopped_by_signal() else "FAILED"
+
+
 def _mark_stopped(tracker: Tracker, status: str, logger) -> None:
     """Best effort: the stop that is unwinding wins. A signal that lands inside an MLflow write can leave its
     sqlite database locked by the interrupted transaction (seen under SIGTERM on a busy machine); the status
@@ -305,11 +316,8 @@ def run_campaign(store: str, run_id: str) -> dict[str, float]:
                     logger.info(progress.summary(iteration))
                 if _guard_stopped(run, iteration, stages, tracker, logger):
                     break
-        except (KeyboardInterrupt, TerminationSignal):  # Ctrl-C; SIGTERM (Prefect raises its TerminationSignal)
-            _mark_stopped(tracker, "KILLED", logger)
-            raise
-        except BaseException:
-            _mark_stopped(tracker, "FAILED", logger)
+        except BaseException as exc:
+            _mark_stopped(tracker, _stop_status(exc), logger)
             raise
         finally:
             progress.close()

@@ -64,6 +64,12 @@ _terminated = False
 _interrupted = False
 
 
+def stopped_by_signal() -> bool:
+    """Whether this process's Ctrl-C or SIGTERM handler has fired: an exception unwinding now may be a library's
+    wrapping of that stop (a Ctrl-C landing while Prefect sets up a task run surfaces as its ``ValueError``)."""
+    return _interrupted or _terminated
+
+
 def _raise_terminated(signum: int, frame: object) -> None:
     global _terminated
     _terminated = True

@@ -169,3 +169,17 @@ def test_a_ctrl_c_that_prefect_wraps_in_its_own_error_still_exits_130(monkeypatc
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
     assert exited.value.exit_code == 130
     assert "interrupted; continue with `solrl resume wrapped --store /tmp/store`" in capsys.readouterr().err
+
+
+def test_a_stop_wrapped_by_a_library_is_recorded_killed_not_failed(monkeypatch):
+    """The flake this fixes: a Ctrl-C landing while Prefect set up a task run surfaced as Prefect's ValueError,
+    and MLflow recorded the stopped campaign FAILED (test above, under load)."""
+    from prefect.exceptions import TerminationSignal
+
+    import solrl.cli
+    from solrl.flows.sol_rl import _stop_status
+
+    assert _stop_status(ValueError("Task run is not set")) == "FAILED"
+    assert _stop_status(KeyboardInterrupt()) == _stop_status(TerminationSignal(15)) == "KILLED"
+    monkeypatch.setattr(solrl.cli, "_interrupted", True)
+    assert _stop_status(ValueError("Task run is not set")) == "KILLED"
