@@ -80,9 +80,9 @@ class StageContext:
         The model is loaded once per process and run and kept (for a SANA-size model, loading dominates a
         stage); the run's training and evaluation prompts are encoded once (cached in the run store, under
         ``prompt_embeddings/``) and the text encoders released. Every call sets all three adapters from the
-        checkpoint (or the fresh LoRA init), so no state leaks from one stage to the next, and the quantized
-        explore copy is then synced in place. ``encode_prompts=False`` skips the prompt embeddings (to export a
-        LoRA, nothing is sampled).
+        checkpoint (or the fresh LoRA init), so no state leaks from one stage to the next; the quantized
+        explore copy is synced in place to the rollout adapter when explore next samples with it.
+        ``encode_prompts=False`` skips the prompt embeddings (to export a LoRA, nothing is sampled).
         """
         key = (
             self.cfg.model.model_dump_json(),

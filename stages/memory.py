@@ -505,7 +505,8 @@ def make_plan(
 def fixes(cfg: Any, plan: Plan) -> list[str]:
     """What would make ``plan`` fit on its device, each checked against the same measurement: gradient
     checkpointing, FSDP over the update's processes (or over 2, 4 or 8 GPUs), a smaller micro-batch or explore
-    batch, rewards freed between stages."""
+    batch, the explore copy off the GPU outside explore (``explore.keep_copy=host``), rewards freed between
+    stages."""
     over = {s.stage for s in plan.over()}
     found: list[str] = []
 
@@ -544,6 +545,22 @@ def fixes(cfg: Any, plan: Plan) -> list[str]:
                 break
         if plan.largest_micro_batch >= 1 and "update" in over:
             found.append(f"train.micro_batch={plan.largest_micro_batch}")
+    if (
+        over - {"explore"}
+        and cfg.explore.keep_copy == "device"
+        and plan.footprint.explore_copy.get(cfg.explore.precision, 0)
+    ):
+        hosted = cfg.model_copy(update={"explore": cfg.explore.model_copy(update={"keep_copy": "host"})})
+        trial = make_plan(
+            hosted,
+            plan.footprint,
+            plan.device_bytes,
+            parallel=plan.parallel,
+            processes=plan.processes,
+            checkpointing=plan.checkpointing,
+        )
+        if not ({s.stage for s in trial.over()} & (over - {"explore"})):
+            found.append("explore.keep_copy=host (the explore copy off the GPU outside explore)")
     if over & {"explore", "regenerate"} and plan.largest_explore_batch >= 1:
         found.append(f"explore.batch_size and regenerate.batch_size at most {plan.largest_explore_batch}")
     if rewards_bytes(cfg)[0] and over:

@@ -177,3 +177,16 @@ def test_the_transformer_engine_calls_solrl_makes_exist_with_these_arguments_in_
     # Under no_grad a quantized_model_init weight keeps row-wise data only; copy_ into it re-quantizes.
     assert "set_usage(rowwise=True, columnwise=torch.is_grad_enabled())" in (te / "module" / "base.py").read_text()
     assert "dst.quantize_(src)" in (te / "tensor" / "quantized_tensor.py").read_text()
+
+
+def test_a_packed_tensor_subclass_counts_its_packed_bytes_not_its_bf16_view():
+    """What the GPU smoke script's "copy bytes" sums (``Policy.owned_bytes``): torchao's NVFP4Tensor reports the
+    nbytes of its bf16 view; its storage is E2M1 codes plus E4M3 block scales."""
+    from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor
+
+    from solrl.stages.models.policy import stored_bytes
+
+    weight = torch.randn(256, 512, dtype=torch.bfloat16)
+    packed = nn.Parameter(NVFP4Tensor.to_nvfp4(weight), requires_grad=False)
+    assert packed.nbytes == weight.nbytes
+    assert stored_bytes(packed) == 256 * 512 // 2 + 256 * 512 // 16 and stored_bytes(weight) == weight.nbytes

@@ -464,8 +464,30 @@ def test_requantize_encodes_a_new_weight_in_place():
     assert all(a is b for a, b in zip([wrapped.codes, wrapped.block_scales, wrapped.weight_scale], buffers))
     assert not torch.allclose(after, before)
     assert torch.equal(after, F.linear(_per_sample(_fq, x), _fq(new), lin.bias.detach()))
+    codes = wrapped.codes.clone()
+    # A transposed, flat, conv-shaped or integer weight of the right size is refused, and nothing is written.
+    for bad in (torch.zeros(16, 32), torch.zeros(64, 16), torch.zeros(1024), torch.zeros(32, 32, 1, 1)):
+        with pytest.raises(ValueError, match="does not fit"):
+            wrapped.requantize_(bad)
     with pytest.raises(ValueError, match="does not fit"):
-        wrapped.requantize_(torch.zeros(16, 32))
+        wrapped.requantize_(torch.zeros(32, 32, dtype=torch.int64))
+    with pytest.raises(ValueError, match="non-finite"):
+        wrapped.requantize_(torch.full((32, 32), float("nan")))
+    assert torch.equal(wrapped.codes, codes)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+def test_a_weight_encoded_in_chunks_of_rows_is_the_weight_encoded_whole(fmt, monkeypatch):
+    """requantize_ encodes a chunk of rows at a time (its working set one chunk's): the same bytes as one call."""
+    from solrl.stages.quant import nvfp4
+
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 48)
+    whole = FakeQuantLinear(lin, fmt)
+    monkeypatch.setattr(nvfp4, "ENCODE_CHUNK_ELEMENTS", 5 * 64)  # 5 rows a chunk: 10 chunks, a ragged last one
+    chunked = FakeQuantLinear(lin, fmt)
+    for name, buffer in whole.named_buffers():
+        assert torch.equal(buffer, dict(chunked.named_buffers())[name]), name
 
 
 # --------------------------------------------------------------------------- #

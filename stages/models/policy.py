@@ -198,11 +198,24 @@ def _tensors(module: nn.Module) -> Iterator[torch.Tensor]:
     yield from module.buffers()
 
 
+def stored_bytes(t: torch.Tensor) -> int:
+    """Bytes ``t`` holds: ``nbytes`` for a plain tensor (meta tensors included); for a tensor subclass that packs
+    its data (torchao's ``NVFP4Tensor`` / ``Float8Tensor``, whose ``nbytes`` is that of their bf16 view), the sum
+    over its inner tensors (``__tensor_flatten__``; Transformer Engine's quantized tensors: their tensor
+    attributes)."""
+    if type(t) in (torch.Tensor, nn.Parameter):
+        return t.nbytes
+    flatten = getattr(t, "__tensor_flatten__", None)
+    inner = [getattr(t, name) for name in flatten()[0]] if flatten is not None else list(vars(t).values())
+    tensors = [x for x in inner if isinstance(x, torch.Tensor)]
+    return sum(stored_bytes(x) for x in tensors) if tensors else t.nbytes
+
+
 def owned_bytes(net: nn.Module, source: nn.Module) -> int:
-    """Bytes of ``net``'s parameters and buffers that ``source`` does not hold too (storage ``nbytes``, meta
-    tensors included: the plan builds copies on the meta device)."""
+    """Bytes of ``net``'s parameters and buffers that ``source`` does not hold too (``stored_bytes``; the plan
+    builds copies on the meta device). Plain tensor attributes that are neither (a rotary table) are not counted."""
     shared = {id(t) for t in _tensors(source)}
-    return sum(t.nbytes for t in {id(t): t for t in _tensors(net)}.values() if id(t) not in shared)
+    return sum(stored_bytes(t) for t in {id(t): t for t in _tensors(net)}.values() if id(t) not in shared)
 
 
 @torch.no_grad()
@@ -213,7 +226,11 @@ def merged_copy_of(transformer: nn.Module, which: Which = "rollout", convert: Co
     transformer's own, shared, not copied: it is frozen, and the copy never writes it. Each LoRA-wrapped layer
     becomes ``convert(name, base_layer, merged_weight)`` (e.g. a packed quantized layer), or a plain layer
     holding the merged weight; layers are built one at a time, so the peak beyond the copy is one merged weight,
-    never a second full model. Works on the meta device (the memory plan builds copies there).
+    never a second full model (the working set is one layer's: its merged weight and its encoding's
+    temporaries). Works on the meta device (the memory plan builds copies there). Because tensors are shared, do
+    not call ``.to()`` or ``requires_grad_()`` on the copy: they would change the policy too
+    (``solrl.stages.quant.backends.move_owned_`` moves a copy's own tensors only). A LoRA-wrapped layer's own
+    tensors are rebuilt, even where another module ties to them.
 
     Args:
         transformer: a diffusers transformer with peft LoRA adapters (``Policy.transformer``).

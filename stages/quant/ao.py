@@ -17,6 +17,7 @@ against torchao's source and by ``bench/gpu_smoke.py`` on a lent GPU.
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any
 
 import torch
@@ -131,6 +132,12 @@ def ao_explore_copy(transformer: nn.Module, precision: str, skip: tuple[str, ...
         if name and name not in quantized and ao_takes(name, layer, skip, min_dim):
             _quantized(layer, layer.weight, config)
             quantized.add(name)
+    if not quantized:
+        warnings.warn(
+            f"{precision}: no layer of this transformer is an nn.Linear the skip rule quantizes (torchao takes "
+            "Linears only, in and out % 16): the explore copy runs in bf16",
+            stacklevel=2,
+        )
     net.ao_layers = frozenset(quantized)
     return net
 

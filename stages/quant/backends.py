@@ -333,8 +333,10 @@ def rollout_network(
     ``keep_copy`` (``KEEP_COPY``) is where its low-precision copy stays once the context exits.
 
     Raises:
-        ValueError: unknown precision, or a hardware precision this machine cannot run.
+        ValueError: unknown precision or ``keep_copy``, or a hardware precision this machine cannot run.
     """
+    if keep_copy not in KEEP_COPY:  # before any work: checked again where the copy is released
+        raise ValueError(f"explore.keep_copy must be one of {KEEP_COPY}, got {keep_copy!r}")
     return EXPLORE_BACKENDS.get(precision).network(policy, min_dim, activation_scale, keep_copy)
 
 

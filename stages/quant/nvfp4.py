@@ -79,6 +79,10 @@ E2M1_VALUES: tuple[float, ...] = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 FORMATS: tuple[str, ...] = ("nvfp4", "fp8")
 """Formats understood by :class:`FakeQuantLinear` and :func:`quantize_model_`."""
 
+#: Elements of a weight encoded at once by ``FakeQuantLinear.requantize_`` (its float32 working set, about 15x this
+#: in bytes for NVFP4 with torchao's temporaries; a FLUX.2-dev layer of 340M weights would otherwise need ~10 GiB).
+ENCODE_CHUNK_ELEMENTS: int = 1 << 22
+
 # Below this amax, 1 / g = (448 * 6) / amax could overflow float32 (or lose
 # precision to subnormals); such tensors are rescaled by an exact power of two.
 _TINY_AMAX: float = 2.0**-100
@@ -293,7 +297,9 @@ def _nvfp4_blocks(xb: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return y.mul_(s_b.unsqueeze(-1))
 
 
-def _nvfp4_pack(w2d: torch.Tensor, *, tensor_scale: bool = True) -> tuple[torch.Tensor, torch.Tensor, float, int]:
+def _nvfp4_pack(
+    w2d: torch.Tensor, *, tensor_scale: bool = True, amax: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor, float, int]:
     """NVFP4-encode a float32 ``[rows, K]`` weight with torchao's ``nvfp4_quantize`` and keep it packed.
 
     Returns ``(codes, block_scales, g, k)``: ``codes`` uint8 ``[rows, K / 2]`` (two E2M1 codes a byte, the even
@@ -301,6 +307,8 @@ def _nvfp4_pack(w2d: torch.Tensor, *, tensor_scale: bool = True) -> tuple[torch.
     ``torch.float8_e4m3fn`` ``[rows, K / 16]``, ``g`` the FP32 tensor scale (1.0 for an all-zero weight, or
     without ``tensor_scale``) and ``k``
     the power-of-two pre-scale exponent of a tiny weight (else 0); the weight is ``((q * s_b) * g) * 2**-k``.
+    ``amax``: the whole tensor's (a chunk of rows is then encoded exactly as inside the whole: the encoding is
+    block-local once ``g`` and ``k`` are fixed).
 
     Raises:
         ValueError: K not a multiple of 16, or non-finite values.
@@ -308,7 +316,7 @@ def _nvfp4_pack(w2d: torch.Tensor, *, tensor_scale: bool = True) -> tuple[torch.
     from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize
 
     rows, k_dim = w2d.shape
-    amax = _amax_checked(w2d)
+    amax = _amax_checked(w2d) if amax is None else amax
     if amax == 0.0:
         codes = torch.zeros(rows, k_dim // 2, dtype=torch.uint8, device=w2d.device)
         return codes, torch.zeros(rows, k_dim // NVFP4_BLOCK, device=w2d.device).to(torch.float8_e4m3fn), 1.0, 0
@@ -322,9 +330,10 @@ def _nvfp4_pack(w2d: torch.Tensor, *, tensor_scale: bool = True) -> tuple[torch.
     return packed.view(rows, k_dim // 2), scales.view(rows, k_dim // NVFP4_BLOCK), g, k
 
 
-def _fp8_pack(w: torch.Tensor) -> tuple[torch.Tensor, float, int]:
-    """Per-tensor E4M3 encode of float32 ``w``: ``(values as torch.float8_e4m3fn, scale, k)``, one byte a weight."""
-    amax = _amax_checked(w)
+def _fp8_pack(w: torch.Tensor, amax: float | None = None) -> tuple[torch.Tensor, float, int]:
+    """Per-tensor E4M3 encode of float32 ``w``: ``(values as torch.float8_e4m3fn, scale, k)``, one byte a weight;
+    ``amax`` the whole tensor's when ``w`` is a chunk of it."""
+    amax = _amax_checked(w) if amax is None else amax
     if amax == 0.0:
         return torch.zeros_like(w).to(torch.float8_e4m3fn), 1.0, 0
     k = _pow2_exponent(amax)
@@ -474,24 +483,35 @@ class FakeQuantLinear(nn.Module):
 
     @torch.no_grad()
     def requantize_(self, weight: torch.Tensor) -> FakeQuantLinear:
-        """Encode ``weight`` (``[out, in]`` or ``[out, in, 1, 1]``, any float dtype, e.g. the merged rollout
+        """Encode ``weight`` (``[out, in]``; a conv's ``[out, in, 1, 1]``; any float dtype, e.g. the merged rollout
         weight after an update) into this layer's buffers, in place: the buffers keep their identity (weight
         sync, no rebuild; a compiled graph stays valid). Returns ``self``.
 
         Raises:
-            ValueError: ``weight`` has the wrong number of elements or non-finite values.
+            ValueError: ``weight`` is not a float tensor of this layer's shape (a conv's may be ``[out, in]`` too),
+                or has non-finite values; the buffers are then unchanged.
         """
-        if weight.numel() != self.out_features * self.in_features:
+        out_f, in_f = self.out_features, self.in_features
+        shapes = ((out_f, in_f), (out_f, in_f, 1, 1)) if self.is_conv else ((out_f, in_f),)
+        if tuple(weight.shape) not in shapes or not weight.is_floating_point():
+            kind, want = ("conv1x1" if self.is_conv else "linear"), " or ".join(map(str, shapes))
             raise ValueError(
-                f"weight of shape {tuple(weight.shape)} does not fit a {self.in_features} -> {self.out_features} layer"
+                f"weight of shape {tuple(weight.shape)} and dtype {weight.dtype} does not fit a {in_f} -> {out_f} "
+                f"{kind} layer (a float tensor of shape {want})"
             )
-        w2d = weight.detach().to(self.codes.device, torch.float32).reshape(self.out_features, self.in_features)
-        if self.format == "nvfp4":
-            codes, block_scales, scale, k = _nvfp4_pack(w2d.contiguous())
-            self.block_scales.copy_(block_scales.view(torch.uint8))
-        else:
-            codes, scale, k = _fp8_pack(w2d)
-        self.codes.copy_(codes.view(torch.uint8))
+        w2d = weight.detach().reshape(out_f, in_f)
+        amax = _amax_checked(w2d)  # the whole weight's; nothing is written before this check
+        # Encoded in chunks of rows, each upcast to float32 on its own: the working set is one chunk's, not a
+        # float32 copy of the whole weight and torchao's temporaries of it; the bytes are those of one call.
+        step = max(1, ENCODE_CHUNK_ELEMENTS // in_f)
+        for r0 in range(0, out_f, step):
+            chunk = w2d[r0 : r0 + step].to(self.codes.device, torch.float32).contiguous()
+            if self.format == "nvfp4":
+                codes, block_scales, scale, k = _nvfp4_pack(chunk, amax=amax)
+                self.block_scales[r0 : r0 + step].copy_(block_scales.view(torch.uint8))
+            else:
+                codes, scale, k = _fp8_pack(chunk, amax=amax)
+            self.codes[r0 : r0 + step].copy_(codes.view(torch.uint8))
         self.weight_scale.copy_(torch.tensor(scale, dtype=torch.float32).view(torch.int32))
         self.weight_pow2.fill_(k)
         return self
