@@ -133,11 +133,16 @@ class Policy:
             return self.model.velocity(net, x, sigma, cond)
 
     @torch.no_grad()
-    def sync_merged_copy_(self, net: nn.Module, which: Which = "rollout") -> int:
+    def sync_merged_copy_(
+        self,
+        net: nn.Module,
+        which: Which = "rollout",
+        write: Callable[[str, nn.Module, torch.Tensor], object] | None = None,
+    ) -> int:
         """Write the current merged weights of ``which`` into ``net`` (a ``merged_copy``, possibly quantized) in
-        place, one layer at a time: a layer with ``requantize_`` (a packed ``FakeQuantLinear``, a Transformer
-        Engine layer) re-encodes the weight, any other copies it. Peak memory: one merged layer. Returns the
-        layers written."""
+        place, one layer at a time: ``write(name, layer, merged_weight)`` when given, else a layer with
+        ``requantize_`` (a packed ``FakeQuantLinear``, a Transformer Engine layer) re-encodes the weight and any
+        other copies it. The working set is one layer's. Returns the layers written."""
         from peft.tuners.tuners_utils import BaseTunerLayer
 
         written = 0
@@ -146,7 +151,9 @@ class Policy:
                 continue
             weight = merged_weight(module, which)
             target = net.get_submodule(name)
-            if hasattr(target, "requantize_"):
+            if write is not None:
+                write(name, target, weight)
+            elif hasattr(target, "requantize_"):
                 target.requantize_(weight)
             else:
                 target.weight.copy_(weight)
@@ -191,6 +198,20 @@ def copy_layers(transformer: nn.Module) -> Iterator[tuple[str, nn.Module, bool]]
             yield name, module.get_base_layer(), True
         elif name:
             yield name, module, False
+
+
+def counted_copy_bytes(transformer: nn.Module, quantized_bytes: Callable[[str, nn.Module], int | None]) -> int:
+    """Bytes a merged copy of the peft ``transformer`` holds beyond it, counted from shapes for a backend whose
+    tensors cannot be built here: ``quantized_bytes(name, layer)`` for each layer it quantizes (None: not
+    quantized), plus the merged weight of each LoRA layer left in high precision; all else is shared."""
+    total = 0
+    for name, layer, lora in copy_layers(transformer):
+        quantized = quantized_bytes(name, layer)
+        if quantized is not None:
+            total += quantized
+        elif lora:
+            total += layer.weight.nbytes
+    return total
 
 
 def _tensors(module: nn.Module) -> Iterator[torch.Tensor]:

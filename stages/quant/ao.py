@@ -85,15 +85,14 @@ def ao_copy_bytes(transformer: nn.Module, precision: str, skip: tuple[str, ...],
     """Bytes an :func:`ao_explore_copy` of the peft ``transformer`` holds beyond the policy, counted from shapes
     (torchao's tensors cannot be built on CPU): ``ao_weight_bytes`` per quantized layer, a merged weight in
     the policy's dtype per LoRA layer torchao does not quantize."""
-    from solrl.stages.models.policy import copy_layers
+    from solrl.stages.models.policy import counted_copy_bytes
 
-    total = 0
-    for name, layer, lora in copy_layers(transformer):
-        if ao_takes(name, layer, skip, min_dim):
-            total += ao_weight_bytes(layer.in_features, layer.out_features, precision)
-        elif lora:
-            total += layer.weight.nbytes
-    return total
+    def quantized_bytes(name: str, layer: nn.Module) -> int | None:
+        if not ao_takes(name, layer, skip, min_dim):
+            return None
+        return ao_weight_bytes(layer.in_features, layer.out_features, precision)
+
+    return counted_copy_bytes(transformer, quantized_bytes)
 
 
 def _quantized(layer: nn.Module, weight: torch.Tensor, config: Any) -> nn.Module:
@@ -142,22 +141,15 @@ def ao_explore_copy(transformer: nn.Module, precision: str, skip: tuple[str, ...
     return net
 
 
-@torch.no_grad()
 def ao_sync_(policy: Any, net: nn.Module, precision: str) -> int:
-    """Re-quantize the current merged rollout weights into ``net`` (an :func:`ao_explore_copy`) layer by layer;
-    layers left in bf16 are copied. Returns the layers written."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
+    """Re-quantize the current merged rollout weights into ``net`` (an :func:`ao_explore_copy`) layer by layer
+    (``Policy.sync_merged_copy_``); layers left in bf16 are copied. Returns the layers written."""
+    config = ao_config(precision)
 
-    from solrl.stages.models.policy import merged_weight
-
-    config, written = ao_config(precision), 0
-    for name, module in policy.transformer.named_modules():
-        if not isinstance(module, BaseTunerLayer):
-            continue
-        weight, target = merged_weight(module, "rollout"), net.get_submodule(name)
+    def write(name: str, target: nn.Module, weight: torch.Tensor) -> None:
         if name in net.ao_layers:
             _quantized(target, weight, config)
         else:
             target.weight.copy_(weight)
-        written += 1
-    return written
+
+    return policy.sync_merged_copy_(net, "rollout", write)

@@ -33,6 +33,11 @@ from solrl.stages.quant.availability import check_precision, unavailable_reason
 from solrl.stages.quant.nvfp4 import FakeQuantLinear, layer_eligible, quantize_model_
 from solrl.stages.sampling.compiled import CompileStats, compiled_blocks
 
+#: Where a low-precision explore copy stays between the stages that sample with it (``explore.keep_copy``):
+#: on the device (no rebuild, no transfer; it stays resident through score, regenerate and update), in host
+#: memory (moved back and synced at the next explore), or nowhere (rebuilt at the next explore).
+KEEP_COPY = ("device", "host", "none")
+
 
 class ExploreBackend:
     """One explore precision. Subclasses implement ``network``."""
@@ -123,7 +128,40 @@ class FP8Emulated(_Emulated):
     name, fmt = "fp8_emulated", "fp8"
 
 
-class _TransformerEngine(ExploreBackend):
+class _OnDevice(ExploreBackend):
+    """A hardware copy cached per policy: built once (``build``), then synced in place after each update
+    (``sync``). Its quantized weights live on the GPU only: ``keep_copy=host`` frees it as ``none`` does (it is
+    rebuilt at the next explore)."""
+
+    @classmethod
+    def build(cls, policy: Policy, min_dim: int) -> nn.Module:
+        raise NotImplementedError
+
+    @classmethod
+    def sync(cls, policy: Policy, net: nn.Module) -> None:
+        raise NotImplementedError
+
+    @classmethod
+    @contextmanager
+    def network(
+        cls, policy: Policy, min_dim: int = 0, activation_scale: str = "sample", keep_copy: str = "device"
+    ) -> Iterator[nn.Module]:
+        check_precision(cls.name)
+        start = time.perf_counter()
+        key = (cls.name, min_dim, "device")
+        net = policy.explore_copies.get(key)
+        if net is None:
+            net = policy.explore_copies[key] = cls.build(policy, min_dim)
+        else:
+            cls.sync(policy, net)
+        policy.explore_sync_seconds = time.perf_counter() - start
+        try:
+            yield net
+        finally:
+            _release(policy, key, "none" if keep_copy == "host" else keep_copy)
+
+
+class _TransformerEngine(_OnDevice):
     @classmethod
     def eager_layer(cls, module: nn.Module) -> bool:
         """Transformer Engine's modules. Whether dynamo traces ``te.Linear`` under ``te.autocast`` is not verified
@@ -141,29 +179,16 @@ class _TransformerEngine(ExploreBackend):
         return te_copy_bytes(transformer, cls.name, skip, min_dim)
 
     @classmethod
-    @contextmanager
-    def network(
-        cls, policy: Policy, min_dim: int = 0, activation_scale: str = "sample", keep_copy: str = "device"
-    ) -> Iterator[nn.Module]:
-        """The cached TE copy, built once (``te_explore_copy``) and then synced in place (``copy_`` into its
-        quantized weights). TE's quantized weights live on the GPU only: ``keep_copy=host`` frees the copy as
-        ``none`` does (it is rebuilt at the next explore)."""
-        check_precision(cls.name)
+    def build(cls, policy: Policy, min_dim: int) -> nn.Module:
+        """``te_explore_copy`` of the rollout policy."""
         from solrl.stages.quant.hardware import te_explore_copy
 
-        start = time.perf_counter()
-        key = (cls.name, min_dim, "te")
-        net = policy.explore_copies.get(key)
-        if net is None:
-            net = te_explore_copy(policy.transformer, cls.name, policy.model.nvfp4_skip, min_dim)
-            policy.explore_copies[key] = net
-        else:
-            policy.sync_merged_copy_(net.net, "rollout")  # TE re-quantizes each weight on copy_
-        policy.explore_sync_seconds = time.perf_counter() - start
-        try:
-            yield net
-        finally:
-            _release(policy, key, "none" if keep_copy == "host" else keep_copy)
+        return te_explore_copy(policy.transformer, cls.name, policy.model.nvfp4_skip, min_dim)
+
+    @classmethod
+    def sync(cls, policy: Policy, net: nn.Module) -> None:
+        """``copy_`` into each quantized weight (TE re-quantizes on copy)."""
+        policy.sync_merged_copy_(net.net, "rollout")
 
 
 @register_explore_backend("nvfp4")
@@ -180,13 +205,7 @@ class FP8(_TransformerEngine):
     name = "fp8"
 
 
-#: Where a low-precision explore copy stays between the stages that sample with it (``explore.keep_copy``):
-#: on the device (no rebuild, no transfer; it stays resident through score, regenerate and update), in host
-#: memory (moved back and synced at the next explore), or nowhere (rebuilt at the next explore).
-KEEP_COPY = ("device", "host", "none")
-
-
-class _TorchAO(ExploreBackend):
+class _TorchAO(_OnDevice):
     """torchao's inference quantization (``solrl.stages.quant.ao``): compile-friendly tensor subclasses."""
 
     @classmethod
@@ -197,28 +216,18 @@ class _TorchAO(ExploreBackend):
         return ao_copy_bytes(transformer, cls.name, skip, min_dim)
 
     @classmethod
-    @contextmanager
-    def network(
-        cls, policy: Policy, min_dim: int = 0, activation_scale: str = "sample", keep_copy: str = "device"
-    ) -> Iterator[nn.Module]:
-        """The cached torchao copy, built once and then re-quantized layer by layer after each update. Its
-        quantized weights stay on the GPU: ``keep_copy=host`` frees the copy as ``none`` does."""
-        check_precision(cls.name)
-        from solrl.stages.quant.ao import ao_explore_copy, ao_sync_
+    def build(cls, policy: Policy, min_dim: int) -> nn.Module:
+        """``ao_explore_copy`` of the rollout policy."""
+        from solrl.stages.quant.ao import ao_explore_copy
 
-        start = time.perf_counter()
-        key = (cls.name, min_dim, "torchao")
-        net = policy.explore_copies.get(key)
-        if net is None:
-            net = ao_explore_copy(policy.transformer, cls.name, policy.model.nvfp4_skip, min_dim)
-            policy.explore_copies[key] = net
-        else:
-            ao_sync_(policy, net, cls.name)
-        policy.explore_sync_seconds = time.perf_counter() - start
-        try:
-            yield net
-        finally:
-            _release(policy, key, "none" if keep_copy == "host" else keep_copy)
+        return ao_explore_copy(policy.transformer, cls.name, policy.model.nvfp4_skip, min_dim)
+
+    @classmethod
+    def sync(cls, policy: Policy, net: nn.Module) -> None:
+        """Re-quantize each quantized layer's merged weight (``ao_sync_``)."""
+        from solrl.stages.quant.ao import ao_sync_
+
+        ao_sync_(policy, net, cls.name)
 
 
 @register_explore_backend("torchao_fp8")

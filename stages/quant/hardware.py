@@ -144,17 +144,16 @@ def te_copy_bytes(transformer: nn.Module, precision: str, skip: tuple[str, ...],
     """Bytes a :func:`te_explore_copy` of the peft ``transformer`` holds beyond the policy, counted from shapes
     (``te_weight_bytes`` and a bf16 bias per TE layer, a bf16 merged weight per LoRA layer TE cannot take).
     Transformer Engine's workspaces and its per-module metadata (a few scalars) are not counted."""
-    from solrl.stages.models.policy import copy_layers
+    from solrl.stages.models.policy import counted_copy_bytes
 
-    total = 0
-    for name, layer, lora in copy_layers(transformer):
+    def quantized_bytes(name: str, layer: nn.Module) -> int | None:
         dims = _te_dims(name, layer, skip, min_dim)
-        if dims is not None and te_takes(*dims, precision):
-            bias = getattr(layer, "bias", None)
-            total += te_weight_bytes(*dims, precision) + (0 if bias is None else bias.numel() * 2)
-        elif lora:
-            total += layer.weight.nbytes
-    return total
+        if dims is None or not te_takes(*dims, precision):
+            return None
+        bias = getattr(layer, "bias", None)
+        return te_weight_bytes(*dims, precision) + (0 if bias is None else bias.numel() * 2)
+
+    return counted_copy_bytes(transformer, quantized_bytes)
 
 
 def _te_dims(name: str, layer: nn.Module, skip: tuple[str, ...], min_dim: int) -> tuple[int, int] | None:
