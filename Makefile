@@ -1,4 +1,4 @@
-# solrl: `make demo` runs the tiny-digits Sol-RL campaign, `make test` lint and the tests.
+# solrl: `make demo` runs the tiny-digits Sol-RL campaign, `make test` lint, the docs build and the tests.
 # Both create .venv if missing and install from this repo's own files.
 PYTHON ?= python3
 VENV ?= .venv
@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE ?= 1
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export DO_NOT_TRACK ?= 1
 
-.PHONY: demo test lint install clean
+.PHONY: demo test lint docs docs-serve screenshots install clean
 
 $(BIN)/.installed: pyproject.toml constraints/cpu.txt constraints/test.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -36,10 +36,25 @@ lint: install
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
 
+# The documentation site (docs/, mkdocs.yml) into site/. --strict: a broken link or anchor, a page missing from the
+# navigation or a docstring mkdocstrings cannot read fails the build. The generated pages (config and CLI
+# reference, one page per model family) are written by docs/gen_pages.py at build time. The two variables silence
+# MkDocs' and Material's banners about their successors (printed on every build).
+docs: install
+	DISABLE_MKDOCS_2_WARNING=true NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+
+docs-serve: install
+	DISABLE_MKDOCS_2_WARNING=true NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
+
+# The site's screenshots (docs/images/screenshots/): a real tiny-digits campaign on a Prefect server and MLflow's
+# UI, photographed in headless Chromium (Debian's chromium package). Minutes, not part of `make test`.
+screenshots: install
+	$(BIN)/python docs/screenshots.py --out docs/images/screenshots
+
 # Two pytest-xdist workers, one test file each at a time (module fixtures stay shared), one thread each
 # (tests/conftest.py): most of the suite waits on subprocesses and servers, so two workers halve its time on two cores.
-test: lint
+test: lint docs
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) runs site .cache/docs

@@ -183,9 +183,9 @@ class TrainConfig(_Section):
         "about std times less, so it wants a smaller clip_range.",
     )
     lr: float = Field(1e-3, gt=0, description="AdamW learning rate.")
-    weight_decay: float = Field(1e-4, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(1e-4, ge=0, description="AdamW decoupled weight decay of the LoRA parameters.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW (beta1, beta2), each in [0, 1).")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon (added to the second-moment root).")
     grad_clip: float = Field(1.0, gt=0, description="Max global grad norm.")
     optimizer_steps: int = Field(4, ge=1, description="Optimizer steps per iteration.")
     micro_batch: int = Field(
@@ -241,7 +241,7 @@ class TrainConfig(_Section):
     stat_buffer: int = Field(32, ge=1, description="per_prompt: rewards kept per prompt.")
     stat_min_count: int = Field(16, ge=1, description="per_prompt: below this many, use the batch statistics.")
     decay_rate: float = Field(0.001, ge=0, description="Rollout-policy decay d = min(decay_rate * step, decay_max).")
-    decay_max: float = Field(0.5, ge=0, lt=1)
+    decay_max: float = Field(0.5, ge=0, lt=1, description="Upper bound of the rollout-policy decay d (DiffusionNFT).")
     ema_decay: float = Field(0.9, ge=0, lt=1, description="EMA of the policy adapter, for evaluation.")
     spike_factor: float | None = Field(
         10.0,
@@ -303,7 +303,7 @@ class StorageConfig(_Section):
 
 class TrackingConfig(_Section):
     mlflow_uri: str | None = Field(None, description="MLflow tracking URI; null = sqlite file in the run store.")
-    experiment: str = "solrl"
+    experiment: str = Field("solrl", description="MLflow experiment the run logs to (created when missing).")
     grid_prompts: int = Field(4, ge=0, description="Prompts shown in the per-iteration best/worst image grid.")
     report_every: int = Field(
         5,
@@ -316,8 +316,10 @@ class TrackingConfig(_Section):
 class CampaignConfig(_Section):
     """The run as a whole: iterations, prompts, seeds, evaluation."""
 
-    iterations: int = Field(20, ge=1)
-    prompts_per_iteration: int = Field(8, ge=1)
+    iterations: int = Field(20, ge=1, description="RL iterations of the campaign (each: explore ... checkpoint).")
+    prompts_per_iteration: int = Field(
+        8, ge=1, description="Training prompts drawn per iteration (each gets its own candidate pool and group)."
+    )
     prompts_file: str = Field(
         "prompts/tiny-digits-train.txt",
         description="Plain text (one prompt a line) or JSONL (a prompt and its metadata a line); relative to "
@@ -403,7 +405,7 @@ class CampaignConfig(_Section):
 class RunConfig(_Section):
     """A whole run. ``base_dir`` is where relative prompt files resolve (the preset's folder)."""
 
-    name: str = "tiny-digits"
+    name: str = Field("tiny-digits", description="The preset's name (the default prefix of run ids).")
     base_dir: str = Field("", description="Set by the loader: folder of the preset, for relative paths.")
     model: ModelConfig = ModelConfig()
     explore: ExploreConfig = ExploreConfig()

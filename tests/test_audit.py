@@ -143,18 +143,16 @@ def test_a_corrupted_parquet_file_or_manifest_is_reported_not_read(finished: Pat
     assert reported.exit_code == 2 and "iteration 1: select has an unreadable manifest" in reported.stderr
 
 
-def test_the_readme_audit_snippet_runs_on_a_finished_run(finished: Path, monkeypatch: pytest.MonkeyPatch):
-    """The README's pandas / DuckDB / xarray example, as written, on a real run store."""
+def test_the_docs_audit_snippet_runs_on_a_finished_run(finished: Path, monkeypatch: pytest.MonkeyPatch):
+    """The audit guide's pandas / DuckDB / xarray example (docs/guides/audit.md), as written, on a real run store."""
     import re
 
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    (snippet,) = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "duckdb" in b]
+    page = (Path(__file__).parents[1] / "docs" / "guides" / "audit.md").read_text()
+    (snippet,) = [b for b in re.findall(r"```python\n(.*?)```", page, re.S) if "duckdb" in b]
     monkeypatch.chdir(finished.parent)
     namespace: dict[str, object] = {}
-    exec(
-        compile(snippet.replace("runs/<run_id>", "store/done").replace("iter_000003", "iter_000002"), "README", "exec"),
-        namespace,
-    )
+    snippet = snippet.replace("runs/<run_id>", "store/done").replace("iter_000003", "iter_000002")
+    exec(compile(snippet, "audit.md", "exec"), namespace)
     assert namespace["pool"]["images"].dims == ("prompt", "candidate", "y", "x", "rgb")
     assert len(namespace["kept"]) == 2 * 4
     assert len(namespace["per_prompt"]) == 2 and set(namespace["per_prompt"]["candidates"]) == {8}

@@ -2,7 +2,7 @@
 
 The reference quantizer below is independent of torchao and of the module under
 test: plain numpy float64, with its own E4M3 and E2M1 round-to-nearest-even.
-It follows shared/DESIGN.md section 2:
+It follows DESIGN 2 (docs/design.md):
 
     g   = fp32(amax(|x|) / (448 * 6))            (g = 1 without a tensor scale)
     s_b = e4m3(clamp(amax(|block|) / 6 / g, 2^-6, 448))
@@ -221,7 +221,7 @@ def test_all_zero_tensor_and_zero_blocks_give_zeros_without_nan(tensor_scale):
 
 def test_tiny_block_scale_is_clamped_to_e4m3_min_normal_not_subnormal():
     # Tensor amax 2688 -> g = 2688 / 2688 = 1 exactly. Block 1 has amax 6 * 2^-8, so
-    # amax / 6 / g = 2^-8 would be an E4M3 *subnormal* scale; DESIGN clamps it to 2^-6.
+    # amax / 6 / g = 2^-8 would be an E4M3 *subnormal* scale; DESIGN 2 clamps it to 2^-6.
     # Then 3 * 2^-8 = 0.75 * 2^-6 -> q = 1 (tie to even) -> 2^-6, whereas a 2^-8 scale
     # would have kept 3 * 2^-8 exactly.
     x = torch.zeros(1, 48)

@@ -69,7 +69,7 @@ def grpo_loss(
         log_prob: ``[B]`` recomputed step log-prob (with grad), float32 nats, the mean over elements;
             old_log_prob: ``[B]`` stored at rollout.
         advantages: ``[B]``.
-        clip_range: PPO epsilon (> 0; Flow-GRPO / DESIGN: 1e-4).
+        clip_range: PPO epsilon (> 0; Flow-GRPO, DESIGN 1: 1e-4).
         mean: the policy's step means ``[B, ...]`` (with grad); ref_mean: the reference's (adapter off), for the
             KL term.
         std: ``[B]`` the step std ``s(sigma) sqrt(-dt)``; kl_beta: weight of the KL term (0 disables it).

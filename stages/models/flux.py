@@ -4,7 +4,7 @@ CPU twin.
 Samplers and losses see unpacked latents ``[B, C, h, w]``; the adapter packs them into FLUX's 2x2 patch tokens
 ``[B, h/2 * w/2, 4C]`` with their position ids around each transformer call (``FluxPipeline._pack_latents``,
 ``_unpack_latents``, ``_prepare_latent_image_ids``). The sigma schedule shifts with the image size
-(``calculate_shift``, as ``FluxPipeline``). Sol-RL's FLUX settings (``../shared/PAPER.md``): 512 px, ``dpm2``,
+(``calculate_shift``, as ``FluxPipeline``). Sol-RL's FLUX settings (``docs/published.md``): 512 px, ``dpm2``,
 LoRA on ``to_q/k/v/out.0``, NVFP4 skipping the x/context embedders, the time-text embedding, ``norm_out`` and
 Linear layers with ``max(in, out) <= 1000``.
 """

@@ -1,6 +1,6 @@
 """The policy and its copies as peft LoRA adapters on one diffusers transformer.
 
-Three adapters share the frozen base weights (glossary, DESIGN):
+Three adapters share the frozen base weights (DESIGN glossary):
 
 * ``policy``: trained by the optimizer;
 * ``rollout``: the "old" policy that samples; after each optimizer step

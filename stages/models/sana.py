@@ -1,6 +1,6 @@
 """SANA (``SanaTransformer2DModel``, ``AutoencoderDC``, Gemma-2 text encoder) and its tiny CPU twin.
 
-Sol-RL's SANA-1600M settings (``../shared/PAPER.md``): 1024 px, Euler ODE ("flow"), LoRA on the attention
+Sol-RL's SANA-1600M settings (``docs/published.md``): 1024 px, Euler ODE ("flow"), LoRA on the attention
 projections (self-attention qkv/out and cross-attention), NVFP4 skipping the embedders, the final layer, the
 self-attention qkv and Linear layers with ``max(in, out) <= 2240`` (``explore.min_dim`` in the preset).
 Prompts go through SANA's complex human instruction, as ``SanaPipeline`` does by default.

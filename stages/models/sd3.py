@@ -1,6 +1,6 @@
 """SD3.5 (``SD3Transformer2DModel``, two CLIP + T5, ``AutoencoderKL``) and its tiny CPU twin.
 
-Sol-RL's SD3.5-Large settings (``../shared/PAPER.md``): 1024 px, ``dpm2``, LoRA on the attention including the
+Sol-RL's SD3.5-Large settings (``docs/published.md``): 1024 px, ``dpm2``, LoRA on the attention including the
 context projections (``add_*``), NVFP4 skipping the position and context embedders, the time-text embedding,
 ``norm_out``, ``norm1``, ``ff_context`` and Linear layers with ``max(in, out) <= 2432``. SD3.5-Medium (the
 ``sd35-medium`` preset: DiffusionNFT's and Flow-GRPO's model) is the same family at 512 px, with MMDiT-X blocks

@@ -1,7 +1,7 @@
 """Low-precision explore copy: emulated NVFP4 (W4A4) and FP8 (W8A8) fake quantization, Transformer Engine
 hardware backends, and the explore-backend registry (:mod:`.backends`).
 
-See :mod:`.nvfp4` and ``DESIGN.md`` §2 for the numerics.
+See :mod:`.nvfp4` and DESIGN 2 (``docs/design.md``) for the numerics.
 """
 
 from . import backends

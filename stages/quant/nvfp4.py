@@ -6,7 +6,7 @@ NVIDIA NVFP4 (Blackwell): every value is FP4 **E2M1** (1 sign, 2 exponent,
 1 mantissa bit; magnitudes ``0, 0.5, 1, 1.5, 2, 3, 4, 6``); every block of
 **16** consecutive elements along the reduction dimension (K, in_features)
 shares a scale stored as FP8 **E4M3** (max 448); every tensor has one FP32
-scale. The convention followed here is the one of ``shared/DESIGN.md`` §2::
+scale. The convention followed here is the one of DESIGN 2 (``docs/design.md``)::
 
     g   = amax(|x|) / (448 * 6)                           (FP32; g = 1 without a tensor scale)
     s_b = e4m3(clamp(amax(|block|) / 6 / g, 2^-6, 448))   (clamped to E4M3's smallest normal)
@@ -140,12 +140,12 @@ def _check_block_dim(x: torch.Tensor) -> None:
 
 @torch.no_grad()
 def nvfp4_fake_quantize(x: torch.Tensor, *, tensor_scale: bool = True) -> torch.Tensor:
-    """NVFP4 quantize-dequantize along the last dim, in blocks of 16 (DESIGN.md §2).
+    """NVFP4 quantize-dequantize along the last dim, in blocks of 16 (DESIGN 2).
 
     Format: NVIDIA NVFP4 -- E2M1 values, 16-element blocks along the last
     (reduction) dim, FP8 E4M3 block scales (clamped to ``[2^-6, 448]`` before the
     cast), one FP32 tensor scale ``g = amax(|x|) / (448 * 6)``. The encode is
-    torchao's ``nvfp4_quantize`` (bit-for-bit DESIGN's formula); the decode is
+    torchao's ``nvfp4_quantize`` (bit-for-bit DESIGN 2's formula); the decode is
     ``q * s_b * g`` in float32.
 
     Args:

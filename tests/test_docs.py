@@ -1,0 +1,86 @@
+"""The documentation's promises that a build alone does not check (``make docs`` builds the site with --strict).
+
+Every "DESIGN N" that the code cites is a section of docs/design.md; nothing points outside the repository (a
+clone has no ``../shared``); every config field has a description for the generated reference; the README stays
+short and its links land on pages that exist.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from solrl.config import RunConfig
+
+REPO = Path(__file__).resolve().parents[1]
+#: "DESIGN 2", "DESIGN glossary": a citation of docs/design.md's section 2 or its glossary.
+CITATION = re.compile(r"DESIGN(?:\.md)?\s*(?:§\s*)?(\d+|glossary)?")
+
+
+def _tracked_text_files() -> list[Path]:
+    names = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    suffixes = {".py", ".md", ".yaml", ".yml", ".toml", ".txt", ".cfg", ".json", ""}
+    files = [REPO / name for name in names.splitlines() if Path(name).suffix in suffixes]
+    return [f for f in files if f.is_file() and f.stat().st_size < 2_000_000]
+
+
+def test_every_design_citation_names_a_section_that_exists():
+    headings = re.findall(r"^## (\d+)\. ", (REPO / "docs" / "design.md").read_text(), re.M)
+    sections = set(headings) | ({"glossary"} if "\n## Glossary" in (REPO / "docs" / "design.md").read_text() else set())
+    cited, unnumbered = {}, []
+    for path in _tracked_text_files():
+        if path == Path(__file__).resolve() or (path.parent.name == "docs" and path.name == "design.md"):
+            continue
+        for lineno, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            for match in CITATION.finditer(line):
+                where = f"{path.relative_to(REPO)}:{lineno}"
+                if match.group(1) is None:
+                    unnumbered.append(where)
+                else:
+                    cited.setdefault(match.group(1), []).append(where)
+    assert cited, "no DESIGN citation found: the pattern is wrong"
+    assert not unnumbered, f"DESIGN cited without a section (write 'DESIGN N'): {unnumbered}"
+    missing = {section: places for section, places in cited.items() if section not in sections}
+    assert not missing, f"cited sections missing from docs/design.md (it has {sorted(sections)}): {missing}"
+
+
+def test_nothing_points_outside_the_repository():
+    outside = re.compile(r"\.\./shared|shared/(?:DESIGN|PAPER|STYLE)\.md")
+    found = [
+        f"{path.relative_to(REPO)}:{lineno}"
+        for path in _tracked_text_files()
+        if path != Path(__file__).resolve()
+        for lineno, line in enumerate(path.read_text(errors="replace").splitlines(), 1)
+        if outside.search(line)
+    ]
+    assert not found, f"references to ../shared, which a clone does not have: {found}"
+
+
+def test_every_config_field_is_described_for_the_reference():
+    undescribed = []
+    for name, field in RunConfig.model_fields.items():
+        section = field.annotation
+        if isinstance(section, type) and issubclass(section, BaseModel):
+            undescribed += [f"{name}.{key}" for key, sub in section.model_fields.items() if not sub.description]
+        elif not field.description:
+            undescribed.append(name)
+    assert not undescribed, f"config fields without a description (docs/reference/config.md shows none): {undescribed}"
+
+
+def test_the_readme_is_short_and_its_links_land():
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.splitlines()) <= 150
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", readme)
+    local = [t for t in targets if not re.match(r"[a-z]+://", t)]
+    assert local, "the README links to no page of the docs"
+    missing = [t for t in local if not (REPO / t).exists()]
+    assert not missing, f"README links to files that do not exist: {missing}"
