@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import html
 import io
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -39,6 +40,12 @@ CURVES = (
     ),
 )
 _GUARDS = ("eval/diversity", "eval/grid_energy", "eval/temporal_change")
+
+
+def _anchor(title: str) -> str:
+    """A section's id, so a link can point into the page (``report.html#kept``): ``Proxy fidelity (...)`` ->
+    ``proxy-fidelity``."""
+    return re.sub(r"[^a-z0-9]+", "-", title.split("(")[0].split(":")[0].lower()).strip("-")
 
 
 def _columns(frame: pd.DataFrame, wanted: Sequence[str]) -> list[str]:
@@ -171,7 +178,7 @@ def render_html(
     else:
         for title, png in figures:
             parts.append(
-                f"<h2>{html.escape(title)}</h2>"
+                f"<h2 id='{_anchor(title)}'>{html.escape(title)}</h2>"
                 f"<img class='chart' alt='{html.escape(title)}' src='data:image/png;base64,{png}'>"
             )
     grids, failed = [], []
@@ -189,8 +196,10 @@ def render_html(
             )
     if grids:
         parts.append(
-            "<h2>Best (left) and worst kept candidates per iteration</h2><p>Explore reward under each image; the "
-            "red rule parts the kept best from the kept worst.</p><div class='grids'>" + "".join(grids) + "</div>"
+            "<h2 id='kept'>Best (left) and worst kept candidates per iteration</h2><p>Explore reward under each "
+            "image; the red rule parts the kept best from the kept worst.</p><div class='grids'>"
+            + "".join(grids)
+            + "</div>"
         )
     evaluated = [i for i, _ in plan if read_manifest(run.run_dir, i, "evaluate") is not None]
     shown = []
@@ -204,14 +213,15 @@ def render_html(
                 f"alt='evaluation, {label}' src='data:image/png;base64,{png}'></figure>"
             )
     if shown:  # the starting and the latest policy side by side, same prompts and seeds in the same places
-        parts.append("<h2>Evaluation samples</h2><div class='pair'>" + "".join(shown) + "</div>")
+        heading = "<h2 id='evaluation-samples'>Evaluation samples</h2>"
+        parts.append(heading + "<div class='pair'>" + "".join(shown) + "</div>")
     if failed:
         parts.append(
             "<p><b>Not shown, failing verification</b> (a file changed since it was committed; <code>solrl resume "
             f"{html.escape(run.run_id)}</code> recomputes them): {html.escape('; '.join(failed))}</p>"
         )
     config = yaml.safe_dump(run.config.model_dump(mode="json"), sort_keys=False)
-    parts.append(f"<h2>Config</h2><pre>{html.escape(config)}</pre>")
+    parts.append(f"<h2 id='config'>Config</h2><pre>{html.escape(config)}</pre>")
     parts.append(
         "<script>window.addEventListener('load',()=>{const i=[...document.images];"
         "document.body.dataset.figures=i.length;"

@@ -29,7 +29,8 @@ SECTIONS = (
 
 
 def rankings(run_dir: Path, iteration: int) -> list[dict[str, object]]:
-    """The kept seeds of ``iteration``, one row per (prompt, slot), best first: prompt, kept_as, seed, explore
+    """The kept seeds of ``iteration``, one row per (prompt, slot), best first: prompt, kept_as, seed (a decimal
+    string, exact in a browser), explore
     rank in the pool (1 = best), explore reward, BF16 reward (None until score_regenerate is committed) and the
     BF16 rank within the prompt's kept group (1 = best). Floats rounded to 4 decimals for display.
 
@@ -50,7 +51,9 @@ def rankings(run_dir: Path, iteration: int) -> list[dict[str, object]]:
             {
                 "prompt": record["prompt"],
                 "kept_as": record["kept_as"],
-                "seed": int(record["seed"]),
+                # A string: seeds are int64 (up to 2^63), and the Prefect UI's JavaScript reads JSON numbers as
+                # doubles, so an int above 2^53 would show rounded (8647285256395037271 as 8647285256395037000).
+                "seed": str(int(record["seed"])),
                 "explore_rank": int(record["rank"]),
                 "explore_reward": round(float(record["explore_reward"]), 4),
                 "bf16_reward": _rounded(record.get("bf16_reward")),

@@ -221,9 +221,11 @@ def test_report_html_is_one_self_contained_page_with_every_figure(finished: Path
         "Stage-time split",
         "Best (left) and worst kept candidates per iteration",
         "Evaluation samples, starting policy",
-        "<h2>Config</h2>",
+        "<h2 id='config'>Config</h2>",
     ):
         assert title in text, title
+    for anchor in ("training-reward", "evaluation-rewards", "proxy-fidelity", "guards", "kept", "evaluation-samples"):
+        assert f"<h2 id='{anchor}'>" in text, anchor  # report.html#kept links into the page
     assert "src='http" not in text and 'src="http' not in text  # nothing fetched: self-contained
     assert text.count("data:image/png;base64,") == 6 + 2 + 2  # curves and split, 2 grids, 2 evaluations
     assert "Not committed yet" not in text
@@ -280,3 +282,17 @@ def test_show_writes_into_a_folder_and_refuses_an_out_that_is_not_a_png(finished
     assert (tmp_path / "done-iter1-prompt1.png").exists()
     bad = runner.invoke(app, [*args, "--out", str(tmp_path / "noext")])
     assert bad.exit_code == 2 and "give a .png file" in bad.stderr
+
+
+def test_the_rankings_artifact_carries_seeds_exactly_as_strings(finished: Path):
+    """A seed is int64; the Prefect UI reads JSON numbers as doubles and showed 8647285256395037271 as
+    8647285256395037000, so a seed copied from the rankings artifact regenerated another image."""
+    from solrl.storage.artifacts import Selection
+    from solrl.storage.summary import rankings
+
+    run_dir = finished / "done"
+    rows = rankings(run_dir, 2)
+    kept = Selection.load(run_dir, 2).frame["seed"]
+    assert all(isinstance(r["seed"], str) for r in rows)
+    assert sorted(int(r["seed"]) for r in rows) == sorted(int(s) for s in kept)
+    assert any(int(s) > 2**53 for s in kept)  # the case a double cannot hold
