@@ -12,6 +12,7 @@ Run by ``mkdocs build`` from the repository root; ``docs/hooks.py`` adds the fam
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 import types
@@ -109,8 +110,9 @@ def family_page(family: str, twins: list[str], module: str) -> str:
         cfg = load_config(preset)
         if cfg.model.family in (family, *twins):
             presets.append(cfg)
+    display = (importlib.import_module(module).__doc__ or family).split(" (")[0].strip()  # "SANA", "FLUX.2"
     out = [
-        f"# {family}",
+        f"# {display} (`{family}`)",
         "",
         f"`model.family: {family}`" + (f"; its tiny CPU twin: `{'`, `'.join(twins)}`." if twins else "."),
         "",

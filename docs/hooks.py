@@ -20,7 +20,9 @@ def on_config(config):
             if isinstance(item, dict):
                 ((title, value),) = item.items()
                 if value == PLACEHOLDER:
-                    out.append({title: [{name: f"models/families/{name}.md"} for name, _, _ in families()]})
+                    out.append(
+                        {title: [f"models/families/{name}.md" for name, _, _ in families()]}
+                    )  # titled by the page
                     continue
                 if isinstance(value, list):
                     item = {title: expand(value)}

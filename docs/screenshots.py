@@ -9,6 +9,7 @@ Starts a Prefect server and ``solrl serve`` on loopback, triggers one campaign t
 - ``prefect-form.png``: the deployment's custom-run form;
 - ``report.png``: the campaign's HTML report;
 - ``mlflow-run.png``: the MLflow run's metrics;
+- ``best-worst.png``: the last iteration's kept seeds, as the select stage drew them;
 - ``show-pool.png``: ``solrl show`` of one prompt's pool (written by solrl itself, not photographed).
 
 Everything runs in a temporary folder and on free loopback ports; nothing outside ``--out`` is written.
@@ -34,8 +35,9 @@ from pathlib import Path
 
 BIN = Path(sys.executable).parent
 #: The campaign photographed: tiny-digits, small enough to finish in about a minute.
-ITERATIONS = 3
-OVERRIDES = ["campaign.prompts_per_iteration=4", "tracking.report_every=1"]
+ITERATIONS = 5
+#: No full-pool audit (its single points would fill the report's and MLflow's first screen).
+OVERRIDES = ["campaign.prompts_per_iteration=4", "tracking.report_every=1", "fidelity.audit_every=0"]
 RUN_ID = "docs-demo"
 
 
@@ -174,12 +176,14 @@ def main() -> None:
             wait_for(f"{api}/health", prefect)
             ids = campaign(api, env, store, logs)
             ui = f"http://127.0.0.1:{port}"
-            photograph(f"{ui}/runs/flow-run/{ids['iteration']}", out / "prefect-flow-run.png")
-            photograph(f"{ui}/artifacts/artifact/{ids['rankings']}", out / "prefect-rankings.png")
+            photograph(f"{ui}/runs/flow-run/{ids['iteration']}", out / "prefect-flow-run.png", wait_ms=30000)
+            photograph(f"{ui}/artifacts/artifact/{ids['rankings']}", out / "prefect-rankings.png", width=1600)
             photograph(f"{ui}/deployments/deployment/{ids['deployment']}/run", out / "prefect-form.png", height=1100)
 
         run_dir = store / RUN_ID
-        photograph((run_dir / "report" / "report.html").as_uri(), out / "report.png", height=1400, wait_ms=5000)
+        photograph((run_dir / "report" / "report.html").as_uri(), out / "report.png", height=1500, wait_ms=5000)
+        # The last iteration's kept seeds, as the select stage drew them (and the report embeds them).
+        shutil.copyfile(run_dir / f"iter_{ITERATIONS:06d}" / "select" / "best_worst.png", out / "best-worst.png")
 
         tracking = json.loads((run_dir / "tracking.json").read_text())
         mlflow_port = free_port()
@@ -202,7 +206,7 @@ def main() -> None:
             experiment, run = tracking["experiment_id"], tracking["mlflow_run_id"]
             # ?workflowType=machine_learning: MLflow 3's Model training view (its UI opens in the GenAI view first)
             page = f"{ui}/#/experiments/{experiment}/runs/{run}/model-metrics?workflowType=machine_learning"
-            photograph(page, out / "mlflow-run.png", width=1600)
+            photograph(page, out / "mlflow-run.png", width=1800, height=1100)
 
         subprocess.run(
             [str(BIN / "solrl"), "show", RUN_ID, "--store", str(store), "--iteration", str(ITERATIONS)]

@@ -84,3 +84,26 @@ def test_the_readme_is_short_and_its_links_land():
     assert local, "the README links to no page of the docs"
     missing = [t for t in local if not (REPO / t).exists()]
     assert not missing, f"README links to files that do not exist: {missing}"
+
+
+def test_the_reward_plugin_example_registers_and_scores():
+    """docs/extending/reward.md's example, as written, is a working reward (registered under a test-only name, so
+    the registry of this process is left as it was)."""
+    import numpy as np
+
+    from solrl.registry import REWARDS
+
+    page = (REPO / "docs" / "extending" / "reward.md").read_text()
+    (snippet,) = [b for b in re.findall(r"```python\n(.*?)```", page, re.S) if "register_reward" in b]
+    name = "docs-example-brightness"
+    namespace: dict[str, object] = {}
+    try:
+        exec(compile(snippet.replace('"brightness"', f'"{name}"'), "reward.md", "exec"), namespace)
+        reward = REWARDS.get(name)()
+        images = np.zeros((3, 8, 8, 3), dtype=np.uint8)
+        images[1] = 255
+        images[2, :4] = 255
+        scores = reward(images, ["a", "b", "c"])
+        assert scores.dtype == np.float32 and np.allclose(scores, [0.0, 1.0, 0.5])
+    finally:
+        REWARDS._entries.pop(name, None)
