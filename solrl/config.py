@@ -647,28 +647,39 @@ def _format_validation_error(exc: ValidationError) -> str:
     return "invalid config: " + _describe_errors(exc)
 
 
-def load_config(
-    source: str | Path | None = None, overrides: list[str] | None = None, *, plugins: bool = True
-) -> RunConfig:
-    """Load a preset (a name from ``configs/`` or a YAML path), apply ``--set`` overrides, validate.
+#: The key of a preset naming the preset it extends (``extends: sana-1600m``): resolved when the preset is read,
+#: never part of a config (a run stores the resolved config).
+EXTENDS = "extends"
 
-    Args:
-        source: preset name (``tiny-digits``), a YAML file path, or None for the default preset.
-        overrides: ``section.key=value`` strings; values are parsed as YAML.
-        plugins: False checks the schema only, not the plug-in names and rules (``validate_config``): no
-            plug-in package, hence no torch, is imported.
+
+def _preset_path(source: str | Path, relative_to: Path | None = None) -> Path:
+    """The YAML file of ``source``: an existing path (relative to ``relative_to`` when given), else a preset name
+    shipped in ``configs/``.
 
     Raises:
-        ConfigError: missing/malformed file, unknown key, bad value, or a cross-field rule broken;
-            one line naming the problem and the fix.
+        ConfigError: neither exists.
     """
-    source = source or "tiny-digits"
     path = Path(source)
+    if relative_to is not None and not path.is_absolute():
+        path = relative_to / path
     preset = preset_dir() / f"{source}.yaml"
     if not path.exists() and (not path.suffix or preset.exists()):  # a preset name may hold a dot: wan21-t2v-1.3b
         path = preset
         if not path.exists():
             raise ConfigError(f"no preset or file named {str(source)!r}; presets: {', '.join(list_presets())}")
+    return path
+
+
+def _read_preset(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """The mapping a preset file describes, with the presets it ``extends`` merged under it.
+
+    A preset inherits every section of the preset it extends key by key; a key it sets replaces the inherited
+    value whole (``reward.weights: {hpsv2: 1.0}`` is the whole weights mapping, not one more entry). ``extends``
+    names a shipped preset or a YAML path relative to the extending file.
+
+    Raises:
+        ConfigError: unreadable or malformed YAML, not a mapping, a missing base, or a cycle of ``extends``.
+    """
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -683,6 +694,46 @@ def load_config(
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"config {str(path)!r} must be a mapping of sections, got {type(data).__name__}")
+    base = data.pop(EXTENDS, None)
+    if base is None:
+        return data
+    if not isinstance(base, str) or not base:
+        raise ConfigError(f"config {str(path)!r}: extends must name a preset or a YAML path, got {base!r}")
+    try:
+        base_path = _preset_path(base, relative_to=path.resolve().parent)
+    except ConfigError as exc:
+        raise ConfigError(f"config {str(path)!r} extends {base!r}: {exc}") from None
+    chain = (*chain, path.resolve())
+    if base_path.resolve() in chain:
+        cycle = " -> ".join(p.stem for p in (*chain, base_path.resolve()))
+        raise ConfigError(f"config {str(path)!r}: extends makes a cycle ({cycle}); remove one of the extends")
+    merged = _read_preset(base_path, chain)
+    for key, value in data.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = {**merged[key], **value}  # a section: its keys one by one
+        else:
+            merged[key] = value
+    return merged
+
+
+def load_config(
+    source: str | Path | None = None, overrides: list[str] | None = None, *, plugins: bool = True
+) -> RunConfig:
+    """Load a preset (a name from ``configs/`` or a YAML path, with the presets it ``extends``), apply ``--set``
+    overrides, validate.
+
+    Args:
+        source: preset name (``tiny-digits``), a YAML file path, or None for the default preset.
+        overrides: ``section.key=value`` strings; values are parsed as YAML.
+        plugins: False checks the schema only, not the plug-in names and rules (``validate_config``): no
+            plug-in package, hence no torch, is imported.
+
+    Raises:
+        ConfigError: missing/malformed file, unknown key, bad value, a cross-field rule broken, a missing preset to
+            extend or a cycle of them; one line naming the problem and the fix.
+    """
+    path = _preset_path(source or "tiny-digits")
+    data = _read_preset(path)
     for item in overrides or []:
         keys, value = _parse_override(item)
         _apply_override(data, keys, value, item)

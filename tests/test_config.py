@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from solrl.config import ConfigError, RunConfig, list_presets, load_config
+from solrl.config import ConfigError, RunConfig, list_presets, load_config, preset_dir
 from solrl.stages.runnable import check_runnable
 
 
@@ -223,3 +223,57 @@ def test_changed_by_names_only_the_overrides_that_would_change_a_stored_config(t
     ]
     with pytest.raises(ConfigError):
         changed_by(stored, ["campaign.iterations=zero"])
+
+
+def test_a_preset_that_extends_another_is_its_flat_copy_with_the_same_hash(tmp_path: Path):
+    """``extends``: sections inherited key by key, a key's value (even a mapping) replaced whole, two levels deep;
+    the resolved config and its hash are those of the preset written out in full."""
+    (tmp_path / "base.yaml").write_text(
+        "name: base\nexplore: {pool_size: 16, steps: 4}\nselect: {k: 4}\n"
+        "reward: {weights: {digit_alignment: 1.0, jpeg_compressibility: 0.5}}\n"
+    )
+    (tmp_path / "middle.yaml").write_text("extends: base.yaml\nname: middle\nexplore: {steps: 3}\n")
+    (tmp_path / "child.yaml").write_text(
+        "extends: middle.yaml\nname: child\nselect: {k: 8}\nreward: {weights: {digit_alignment: 1.0}}\n"
+    )
+    (tmp_path / "flat.yaml").write_text(
+        "name: child\nexplore: {pool_size: 16, steps: 3}\nselect: {k: 8}\nreward: {weights: {digit_alignment: 1.0}}\n"
+    )
+    child, flat = load_config(tmp_path / "child.yaml"), load_config(tmp_path / "flat.yaml")
+    assert (child.explore.pool_size, child.explore.steps, child.select.k) == (16, 3, 8)
+    assert child.reward.weights == {"digit_alignment": 1.0}  # replaced, not merged with the base's
+    assert child.model_dump() == flat.model_dump() and child.digest() == flat.digest()
+    overridden = load_config(tmp_path / "child.yaml", ["explore.steps=5"])
+    assert overridden.explore.steps == 5 and overridden.explore.pool_size == 16  # --set applies after extends
+
+
+def test_a_user_preset_extends_a_shipped_one_by_name(tmp_path: Path):
+    (tmp_path / "mine.yaml").write_text("extends: sol-rl\nname: mine\ntrain: {lr: 1.0e-4}\n")
+    mine, shipped = load_config(tmp_path / "mine.yaml"), load_config("sol-rl")
+    assert mine.train.lr == 1.0e-4 and mine.train.kl_beta == shipped.train.kl_beta
+    assert mine.train_prompts() == shipped.train_prompts()  # the shipped relative prompt files still resolve
+
+
+def test_every_shipped_preset_that_extends_another_resolves_without_the_key():
+    extending = [p for p in list_presets() if "\nextends:" in "\n" + (Path(preset_dir()) / f"{p}.yaml").read_text()]
+    assert {"flux1-dev", "sd35-large", "tiny-flux", "sol-rl"} <= set(extending)
+    for preset in extending:
+        data = load_config(preset, plugins=False).model_dump(mode="json")
+        assert "extends" not in data and data["name"] == preset
+
+
+@pytest.mark.parametrize(
+    ("files", "match"),
+    [
+        ({"a.yaml": "extends: b.yaml\n", "b.yaml": "extends: a.yaml\n"}, r"extends makes a cycle \(a -> b -> a\)"),
+        ({"a.yaml": "extends: a.yaml\n"}, r"extends makes a cycle \(a -> a\)"),
+        ({"a.yaml": "extends: no-such-preset\n"}, r"extends 'no-such-preset': no preset or file named"),
+        ({"a.yaml": "extends: [sol-rl]\n"}, r"extends must name a preset or a YAML path, got \['sol-rl'\]"),
+        ({"a.yaml": "extends: b.yaml\n", "b.yaml": "- not a mapping\n"}, r"b.yaml' must be a mapping of sections"),
+    ],
+)
+def test_a_bad_extends_is_one_line_naming_it(tmp_path: Path, files: dict[str, str], match: str):
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    with pytest.raises(ConfigError, match=match):
+        load_config(tmp_path / "a.yaml")

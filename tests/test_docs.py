@@ -107,3 +107,15 @@ def test_the_reward_plugin_example_registers_and_scores():
         assert scores.dtype == np.float32 and np.allclose(scores, [0.0, 1.0, 0.5])
     finally:
         REWARDS._entries.pop(name, None)
+
+
+def test_the_configuration_guide_extends_example_loads_as_it_says(tmp_path: Path):
+    from solrl.config import load_config
+
+    page = (REPO / "docs" / "guides" / "configuration.md").read_text()
+    (snippet,) = [b for b in re.findall(r"```yaml\n(.*?)```", page, re.S) if "extends:" in b]
+    (tmp_path / "my-flux.yaml").write_text(snippet)
+    cfg, base = load_config(tmp_path / "my-flux.yaml", plugins=False), load_config("flux1-dev", plugins=False)
+    assert (cfg.name, cfg.explore.pool_size, cfg.select.k) == ("my-flux", 64, 16)
+    assert cfg.explore.steps == base.explore.steps and cfg.model == base.model  # the rest is flux1-dev's
+    assert cfg.reward.weights == {"hpsv2": 1.0}
