@@ -347,14 +347,6 @@ def measure(
 
 
 # -- the plan ------------------------------------------------------------------------------------------------------
-#: Published parameter counts of the rewards' models (their weights files are not read for the plan).
-REWARD_PARAMETERS = {
-    "pickscore": 986_000_000,  # CLIP ViT-H/14
-    "hpsv2": 986_000_000,  # CLIP ViT-H/14
-    "clipscore": 428_000_000,  # CLIP ViT-L/14
-    "aesthetic": 428_000_000,  # CLIP ViT-L/14 and its MLP head
-    "imagereward": 450_000_000,  # BLIP ViT-L and its BERT text tower
-}
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -395,15 +387,28 @@ class Plan:
 
 def rewards_bytes(cfg: Any) -> tuple[int, int]:
     """(bytes kept loaded between stages, bytes loaded only while scoring) of the config's rewards on the
-    device: published parameter counts times the reward's dtype; remote rewards and small ones count 0."""
+    device: each reward's declared parameter count (``Reward.parameters``, its published size: no weights file is
+    read) times its dtype; remote rewards and rewards on the CPU count 0.
+
+    Raises:
+        ConfigError: a reward on the device declares no parameter count.
+    """
+    from solrl.config import ConfigError
     from solrl.registry import REWARDS
 
     kept = scored = 0
     for name in sorted({*cfg.reward.weights, *cfg.reward.evaluate}):
-        options = REWARDS.get(name).options_for(cfg.reward.models.get(name, {}))
+        reward = REWARDS.get(name)
+        options = reward.options_for(cfg.reward.models.get(name, {}))
         if options.url or options.device == "cpu":
             continue
-        size = REWARD_PARAMETERS.get(name, 0) * _DTYPE_BYTES[options.dtype]
+        if reward.parameters is None:
+            raise ConfigError(
+                f"reward {name!r} declares no parameter count ({reward.__module__}.{reward.__qualname__}.parameters:"
+                f" its model's parameters, 0 without a model), so the memory plan cannot count it; declare it, or "
+                f"run it with reward.models.{name}.device=cpu or behind a url"
+            )
+        size = reward.parameters * _DTYPE_BYTES[options.dtype]
         if options.keep_loaded:
             kept += size
         else:

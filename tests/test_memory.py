@@ -236,3 +236,43 @@ def test_the_largest_explore_batch_fits_exactly_with_its_vae_decode():
         device = math.ceil((fixed + sampling) / (1 - RESERVE_FRACTION)) + 1
         largest = make_plan(cfg, footprint, device).largest_explore_batch
         assert largest >= batch and explore_fits(largest, device) and not explore_fits(largest + 1, device), batch
+
+
+def test_every_registered_reward_declares_the_parameters_the_plan_counts(tmp_path):
+    """A reward owns its parameter count (``Reward.parameters``); one that declares none is refused by the plan,
+    not counted as 0 bytes (a 7B judge on the device would otherwise vanish from the plan)."""
+    from solrl.config import ConfigError
+    from solrl.registry import REWARDS, register_reward
+    from solrl.stages.memory import rewards_bytes
+    from solrl.stages.rewards import Reward
+
+    assert all(isinstance(REWARDS.get(name).parameters, int) for name in REWARDS.names())
+    cfg = load_config(None, ["reward.weights={digit_alignment: 1.0}", "reward.evaluate=[digit_evaluator]"])
+    kept, scored = rewards_bytes(cfg)  # float32 by default
+    declared = REWARDS.get("digit_alignment").parameters + REWARDS.get("digit_evaluator").parameters
+    assert kept + scored == 4 * declared > 0
+    from solrl.stages.models.tiny_digits import DigitClassifier, DigitEvaluator
+
+    counted = [sum(p.numel() for p in net().parameters()) for net in (DigitClassifier, DigitEvaluator)]
+    assert counted == [REWARDS.get(n).parameters for n in ("digit_alignment", "digit_evaluator")]
+
+    @register_reward("undeclared-judge")
+    class Judge(Reward):
+        name = "undeclared-judge"
+
+    try:
+        judged = load_config(None, ["reward.weights={undeclared-judge: 1.0}", "reward.evaluate=[]"], plugins=False)
+        with pytest.raises(ConfigError, match=r"reward 'undeclared-judge' declares no parameter count"):
+            rewards_bytes(judged)
+        on_cpu = load_config(
+            None,
+            [
+                "reward.weights={undeclared-judge: 1.0}",
+                "reward.evaluate=[]",
+                "reward.models={undeclared-judge: {device: cpu}}",
+            ],
+            plugins=False,
+        )
+        assert rewards_bytes(on_cpu) == (0, 0)  # nothing of it on the device
+    finally:
+        REWARDS._entries.pop("undeclared-judge", None)

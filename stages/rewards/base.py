@@ -64,6 +64,10 @@ class Reward:
     #: Modules the reward imports (checked where work starts) and the optional extra that installs them.
     requires: ClassVar[tuple[str, ...]] = ()
     extra: ClassVar[str] = "rewards"
+    #: Parameters of the model the reward puts on the device, at its published size (the memory plan counts them
+    #: in the reward's dtype; 0 for a reward without a model on the device). None: not declared, which the memory
+    #: plan refuses rather than count a judge of billions of parameters as 0 bytes.
+    parameters: ClassVar[int | None] = None
 
     def __init__(self, options: RewardOptions | None = None, device: torch.device | str = "cpu") -> None:
         self.options = options or self.Options()

@@ -73,6 +73,7 @@ class PickScore(CLIPReward):
     reproduces their scale; the advantages are standardised either way)."""
 
     name = "pickscore"
+    parameters = 986_000_000  # CLIP ViT-H/14
     published = "https://huggingface.co/yuvalkirstain/PickScore_v1 (processor: laion/CLIP-ViT-H-14-laion2B-s32B-b79K)"
 
     def _score(self, images: np.ndarray, prompts: Sequence[str], metadata: Metadata) -> torch.Tensor:
@@ -88,6 +89,7 @@ class CLIPScore(CLIPReward):
     cosines."""
 
     name = "clipscore"
+    parameters = 428_000_000  # CLIP ViT-L/14
     published = "https://huggingface.co/openai/clip-vit-large-patch14"
     #: ``w`` of CLIPScore (Hessel et al. 2021): rescales cosines, which rarely exceed 0.4, toward [0, 1].
     WEIGHT = 2.5
@@ -129,6 +131,7 @@ class Aesthetic(CLIPReward):
     rating; prompts are not used."""
 
     name = "aesthetic"
+    parameters = 428_000_000  # CLIP ViT-L/14 and its MLP head
     Options = AestheticOptions
     published = (
         "https://github.com/christophschuhmann/improved-aesthetic-predictor (head) and "

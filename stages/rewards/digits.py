@@ -32,6 +32,7 @@ class DigitAlignment(Reward):
     """
 
     name = "digit_alignment"
+    parameters = 38_282  # the two-conv classifier (tests/test_memory.py counts it)
     backbone: type[torch.nn.Module] = td.DigitClassifier
     weights_file = "classifier.safetensors"
 
@@ -65,5 +66,6 @@ class DigitEvaluator(DigitAlignment):
     """The independently trained evaluator (other architecture and seed), for evaluation (DESIGN 5)."""
 
     name = "digit_evaluator"
+    parameters = 31_402
     backbone = td.DigitEvaluator
     weights_file = "evaluator.safetensors"

@@ -31,6 +31,7 @@ class HPSv2(Reward):
     """HPSv2.1: cosine of open_clip ViT-H-14 image and text features with the HPS checkpoint."""
 
     name = "hpsv2"
+    parameters = 986_000_000  # open_clip ViT-H-14
     Options = HPSOptions
     published = "https://huggingface.co/xswu/HPSv2 (HPS_v2.1_compressed.pt)"
     requires = ("open_clip",)

@@ -31,6 +31,7 @@ class ImageRewardScore(Reward):
     """ImageReward v1.0 score of each image for its prompt (about -2 to 2)."""
 
     name = "imagereward"
+    parameters = 450_000_000  # BLIP ViT-L and its BERT text tower
     Options = ImageRewardOptions
     published = (
         "https://huggingface.co/THUDM/ImageReward (ImageReward.pt, med_config.json); its BLIP also needs "

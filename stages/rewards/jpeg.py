@@ -19,6 +19,7 @@ class JpegCompressibility(Reward):
     """``-size_kB(JPEG(image, quality=95))``; float32 ``[B]``, higher = more compressible."""
 
     name = "jpeg_compressibility"
+    parameters = 0  # no model
 
     def _score(self, images: np.ndarray, prompts: Sequence[str], metadata: Metadata) -> np.ndarray:
         sizes = []

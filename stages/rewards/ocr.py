@@ -50,6 +50,7 @@ class OCR(Reward):
     """OCR accuracy of the quoted text, in [0, 1]."""
 
     name = "ocr"
+    parameters = 0  # RapidOCR's ONNX models run on the CPU (onnxruntime): nothing on the device
     requires = ("rapidocr_onnxruntime", "rapidfuzz")
 
     def __init__(self, options: RewardOptions | None = None, device: Any = "cpu") -> None:
