@@ -34,6 +34,7 @@ from solrl.stages.memory import check_memory
 from solrl.stages.pipeline import ITERATION, STAGES, campaign_plan, first_pending, run_shard, run_stage, stage_shards
 from solrl.stages.runnable import check_runnable
 from solrl.stages.sharding import Shard
+from solrl.storage.artifacts import EvalSamples, Selection
 from solrl.storage.html_report import REPORT_DIR, write_report
 from solrl.storage.mirror import publish_folder
 from solrl.storage.runs import Run, open_run, run_lock
@@ -42,8 +43,8 @@ from solrl.storage.tracking import Tracker
 
 #: Logged to MLflow per iteration, by stage: (file or folder in the stage folder, artifact folder).
 _ARTIFACTS = {
-    "select": ("best_worst.png", "best_worst"),
-    "evaluate": ("samples.png", "eval_samples"),
+    "select": (Selection.grid, "best_worst"),
+    "evaluate": (EvalSamples.grid, "eval_samples"),
     "checkpoint": (".", "checkpoints"),
 }
 

@@ -23,7 +23,7 @@ from solrl.stages.sharding import WHOLE, Shard
 from solrl.storage.artifacts import EvalMetrics, EvalSamples, TrainedPolicy
 from solrl.storage.stage import StageOutput, read_manifest
 
-GRID = "samples.png"
+GRID = EvalSamples.grid
 
 
 def evaluate(ctx: StageContext, out: Path, trained: TrainedPolicy | None, *, shard: Shard = WHOLE) -> StageOutput:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from solrl.config import CampaignConfig, RunConfig
+from solrl.storage.artifacts import EvalSamples
 from solrl.storage.stage import read_manifest
 
 #: Exit code of ``solrl run`` / ``resume`` when ``campaign.on_guard=stop`` ended the campaign.
@@ -66,7 +67,7 @@ def evaluation_alarms(
                     bound,
                     f"sample diversity {diversity:.4f} is {1 - diversity / diversity_start:.0%} below the starting "
                     f"policy's {diversity_start:.4f} (alarm below {bounds.guard_diversity:.0%} of it, {bound:.4f}): "
-                    f"the training reward may be gamed; look at samples.png and the other rewards",
+                    f"the training reward may be gamed; look at {EvalSamples.grid} and the other rewards",
                 )
             )
     grid, grid_start = metrics.get("eval/grid_energy"), start.get("eval/grid_energy")
@@ -82,7 +83,7 @@ def evaluation_alarms(
                     bound,
                     f"grid-artifact energy {grid:.4f} is {grid / grid_start:.1f}x the starting policy's "
                     f"{grid_start:.5f} (alarm above {bounds.guard_grid_factor:g}x it and {bounds.guard_grid_min:g}): "
-                    f"the policy may be learning {texture}; look at samples.png",
+                    f"the policy may be learning {texture}; look at {EvalSamples.grid}",
                 )
             )
     change, change_start = metrics.get("eval/temporal_change"), start.get("eval/temporal_change")
@@ -97,7 +98,7 @@ def evaluation_alarms(
                     bound,
                     f"temporal change (frame to frame) {change:.4f} is {change / change_start:.1f}x the starting "
                     f"policy's {change_start:.4f} (alarm above {bounds.guard_temporal_factor:g}x it): the videos may "
-                    f"flicker to game a per-frame reward; look at samples.png",
+                    f"flicker to game a per-frame reward; look at {EvalSamples.grid}",
                 )
             )
     return alarms

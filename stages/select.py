@@ -13,7 +13,7 @@ from solrl.stages.metrics.selection import pool_ranks, select_seeds
 from solrl.storage.artifacts import CandidatePool, ExploreRewards, Selection
 from solrl.storage.stage import StageOutput
 
-GRID = "best_worst.png"
+GRID = Selection.grid
 
 
 def select(ctx: StageContext, out: Path, pool: CandidatePool, scores: ExploreRewards) -> StageOutput:

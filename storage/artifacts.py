@@ -241,6 +241,8 @@ class EvalSamples(ZarrArtifact):
 
     stage: ClassVar[str] = "evaluate"
     filename: ClassVar[str] = "samples.zarr"
+    #: The picture the evaluate stage draws beside the samples: one row per prompt.
+    grid: ClassVar[str] = "samples.png"
     dims: ClassVar[dict[str, tuple[str, ...]]] = {
         "images": ("prompt", "sample", *_IMAGE),
         "seeds": ("prompt", "sample"),
@@ -357,6 +359,8 @@ class Selection(TableArtifact):
 
     stage: ClassVar[str] = "select"
     filename: ClassVar[str] = "selection.parquet"
+    #: The picture the select stage draws beside the table: the kept candidates of the first prompts, best left.
+    grid: ClassVar[str] = "best_worst.png"
     columns: ClassVar[tuple[str, ...]] = (
         "group",
         "slot",

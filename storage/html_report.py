@@ -24,6 +24,7 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
+from solrl.storage.artifacts import EvalSamples, Selection
 from solrl.storage.report import collect_metrics
 from solrl.storage.runs import Run
 from solrl.storage.stage import output_dir, read_manifest
@@ -188,7 +189,7 @@ def render_html(
         if read_manifest(run.run_dir, i, "select", verify=True) is None:
             failed.append(f"iteration {i}: select")
             continue
-        png = _image(output_dir(run.run_dir, i, "select") / "best_worst.png")
+        png = _image(output_dir(run.run_dir, i, "select") / Selection.grid)
         if png is not None:
             grids.append(
                 f"<figure><figcaption>iteration {i}</figcaption><img class='grid' "
@@ -206,7 +207,7 @@ def render_html(
     for i in dict.fromkeys([evaluated[0], evaluated[-1]] if evaluated else []):
         if read_manifest(run.run_dir, i, "evaluate", verify=True) is None:
             failed.append(f"iteration {i}: evaluate")
-        elif (png := _image(output_dir(run.run_dir, i, "evaluate") / "samples.png")) is not None:
+        elif (png := _image(output_dir(run.run_dir, i, "evaluate") / EvalSamples.grid)) is not None:
             label = "starting policy" if i == 0 else f"iteration {i}"
             shown.append(
                 f"<figure><figcaption>Evaluation samples, {label}</figcaption><img class='grid' "
