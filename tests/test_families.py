@@ -1,6 +1,7 @@
-"""SANA, FLUX.1, SD3.5, Z-Image, Qwen-Image and FLUX.2-klein as tiny random models of the real diffusers classes:
-built in code, saved with ``save_pretrained``, loaded through their adapters, run through the same Prefect flow as
-tiny-digits with NVFP4-emulated explore, and their exported LoRA loaded by the stock diffusers pipeline."""
+"""Every registered family (SANA, FLUX.1, SD3.5, Z-Image, Qwen-Image, FLUX.2, Wan) as a tiny random model of its
+real diffusers classes: built in code, saved with ``save_pretrained``, loaded through their adapters, run through
+the same Prefect flow as tiny-digits with NVFP4-emulated explore, and their exported LoRA loaded by the stock
+diffusers pipeline, which samples as the policy (the adapter's ``stock_pipeline_latents`` says how to call it)."""
 
 from __future__ import annotations
 
@@ -16,21 +17,14 @@ from typer.testing import CliRunner
 
 from solrl.cli import app
 from solrl.config import load_config
+from solrl.registry import MODELS
 from solrl.stages.models import load_model, model_family
 from solrl.stages.models.lora import LORA_WEIGHTS, save_diffusers_lora
 from solrl.stages.sampling.rollout import generate
 from solrl.stages.sampling.samplers import initial_noise
 
-FAMILIES = [
-    "tiny-sana",
-    "tiny-flux",
-    "tiny-sd3",
-    "tiny-z-image",
-    "tiny-qwen-image",
-    "tiny-flux2",
-    "tiny-flux2-dev",
-    "tiny-wan",
-]
+#: Every registered family's tiny twin: a new family's twin is picked up here without an edit.
+FAMILIES = [name for name in MODELS.names() if name.startswith("tiny-") and name != "tiny-digits"]
 
 
 def _config(family: str, root: Path, *extra: str):
@@ -62,46 +56,6 @@ def test_a_tiny_family_is_built_saved_and_loaded_through_its_adapter(tmp_path: P
     assert model.sigmas(1).tolist() == [1.0, 0.0]
 
 
-def _stock_pipeline_latents(pipe, family: str, prompt: str, noise: torch.Tensor, steps: int) -> torch.Tensor:
-    """The stock pipeline's final latents from ``noise`` ``[1, C, h, w]``, without classifier-free guidance."""
-    kwargs = dict(
-        prompt=prompt,
-        height=32,
-        width=32,
-        num_inference_steps=steps,
-        guidance_scale=1.0,
-        max_sequence_length=16,
-        output_type="latent",
-    )
-    if family in ("tiny-flux", "tiny-qwen-image"):
-        _, C, h, w = noise.shape
-        packed = type(pipe)._pack_latents(noise, 1, C, h, w)
-        if family == "tiny-qwen-image":  # no true CFG; the prompt needs the tiny tokenizer's room
-            kwargs.update(guidance_scale=None, max_sequence_length=224)
-        out = pipe(latents=packed, **kwargs).images
-        unpacked = type(pipe)._unpack_latents(
-            out, h * pipe.vae_scale_factor, w * pipe.vae_scale_factor, pipe.vae_scale_factor
-        )
-        return unpacked.squeeze(2)  # Qwen-Image's have a frame axis
-    if family == "tiny-sana":
-        kwargs["use_resolution_binning"] = False
-    if family in ("tiny-flux2", "tiny-flux2-dev"):  # klein returns de-normalised, unpatchified latents
-        length = 96 if family == "tiny-flux2" else 320  # the dev pipeline's system message takes room
-        kwargs.update(max_sequence_length=length, text_encoder_out_layers=(1, 2, 3))
-        out = pipe(latents=noise, **kwargs).images
-        if family == "tiny-flux2-dev":  # the dev pipeline returns the sampling space's tokens [1, h w, C]
-            return out.permute(0, 2, 1).reshape(noise.shape)
-        mean = pipe.vae.bn.running_mean.view(1, -1, 1, 1)
-        std = torch.sqrt(pipe.vae.bn.running_var.view(1, -1, 1, 1) + pipe.vae.config.batch_norm_eps)
-        return (type(pipe)._patchify_latents(out) - mean) / std
-    if family == "tiny-wan":  # 5 frames; the tiny pipeline samples with Euler, as the policy here
-        kwargs.update(max_sequence_length=32)  # the zero padding is attended to: as long as the adapter's
-        return pipe(latents=noise, num_frames=5, **kwargs).frames
-    if family == "tiny-z-image":  # ZImagePipeline guides whenever guidance_scale > 0
-        kwargs.update(guidance_scale=0.0, max_sequence_length=96)
-    return pipe(latents=noise, **kwargs).images
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_exported_lora_loads_into_the_stock_pipeline_and_samples_as_the_policy(tmp_path: Path, family, caplog):
     cfg = _config(family, tmp_path / "runs", "model.solver=euler")
@@ -130,7 +84,7 @@ def test_the_exported_lora_loads_into_the_stock_pipeline_and_samples_as_the_poli
     noise = initial_noise([seed], policy.model.latent_shape)
     with torch.no_grad(), policy.using("policy") as net:
         ours = generate(policy.model, net, [prompt], [seed], steps, 1).samples
-    theirs = _stock_pipeline_latents(pipe, family, prompt, noise, steps)
+    theirs = policy.model.stock_pipeline_latents(pipe, prompt, noise, steps)  # the adapter says how
     torch.testing.assert_close(theirs.float(), ours, rtol=1e-3, atol=1e-4)
     with torch.no_grad(), policy.using("reference") as net:
         base = generate(policy.model, net, [prompt], [seed], steps, 1).samples
@@ -154,19 +108,13 @@ def test_two_iteration_campaign_through_the_prefect_flow_with_nvfp4_explore(tmp_
         for stage in stages:
             assert read_manifest(run.run_dir, iteration, stage) is not None, (iteration, stage)
     pool = CandidatePool.load(run.run_dir, 2)
-    frames = (5,) if family == "tiny-wan" else ()
+    family_cls = model_family(cfg.model)
+    frames = (cfg.model.num_frames or family_cls.default_num_frames,) if family_cls.video else ()
     assert pool.images.shape == (2, 8, *frames, 32, 32, 3) and pool.attrs["precision"] == "nvfp4_emulated"
     checkpoint = Checkpoint.load(run.run_dir, 2)
     assert checkpoint.state["model_family"] == family and checkpoint.state["global_step"] == 2
-    assert checkpoint.state["architecture"]["transformer"]["_class_name"] in (
-        "SanaTransformer2DModel",
-        "FluxTransformer2DModel",
-        "SD3Transformer2DModel",
-        "ZImageTransformer2DModel",
-        "QwenImageTransformer2DModel",
-        "Flux2Transformer2DModel",
-        "WanTransformer3DModel",
-    )
+    transformer = getattr(diffusers, checkpoint.state["architecture"]["transformer"]["_class_name"])
+    assert issubclass(transformer, diffusers.ModelMixin)  # the family's diffusers transformer, recorded
     assert (stage_dir(run.run_dir, 2, "checkpoint") / "lora" / LORA_WEIGHTS).exists()
     audit = read_manifest(run.run_dir, 2, "audit").metrics  # the full-pool BF16 audit ran at iteration 2
     assert -1 <= audit["audit/spearman"] <= 1 and audit["audit/random_rank"] == 4.5

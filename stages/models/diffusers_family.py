@@ -325,6 +325,41 @@ class DiffusersFamily(ModelAdapter):
         scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps).tolist(), mu=mu, device="cpu")
         return scheduler.sigmas.float().to(self.device)
 
+    #: Keyword arguments of the stock pipeline's ``__call__`` that make it sample as the policy does: no
+    #: classifier-free guidance (Sol-RL samples with guidance 1), plus any family-specific switch.
+    stock_call_kwargs: ClassVar[dict[str, Any]] = {"guidance_scale": 1.0}
+
+    def stock_call(self, pipe: Any, prompt: str, latents: torch.Tensor, steps: int, **extra: Any) -> Any:
+        """``pipe(...)`` (the family's stock diffusers pipeline) on ``prompt`` from ``latents`` in ``steps`` steps at
+        this model's resolution and text length, returning latents (``output_type="latent"``); ``extra`` adds
+        keyword arguments."""
+        return pipe(
+            prompt=prompt,
+            latents=latents,
+            height=self.resolution,
+            width=self.resolution,
+            num_inference_steps=steps,
+            max_sequence_length=self.max_sequence_length,
+            output_type="latent",
+            **self.stock_call_kwargs,
+            **extra,
+        )
+
+    def stock_pipeline_latents(self, pipe: Any, prompt: str, noise: torch.Tensor, steps: int) -> torch.Tensor:
+        """What the family's stock diffusers pipeline (``pipeline_class``, e.g. with the exported LoRA loaded)
+        samples for ``prompt`` from ``noise`` in ``steps`` steps without classifier-free guidance: its final
+        latents in the policy's sampling space, to compare with the policy's own samples (with ``model.solver``
+        euler, as the pipelines' flow-matching schedulers step). The export test checks every family this way.
+
+        Args:
+            pipe: the stock pipeline, on the policy's device.
+            noise: float ``[1, *latent_shape]``, the policy's initial noise of one seed (``initial_noise``).
+
+        Returns:
+            float ``[1, *latent_shape]``.
+        """
+        return self.stock_call(pipe, prompt, noise, steps).images
+
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> np.ndarray:
         """The family's ``vae_decode`` in batches of ``DECODE_BATCH``, clamped to [-1, 1], to uint8 ``[B, H, W, 3]``

@@ -92,6 +92,14 @@ class Flux(DiffusersFamily):
         vsf = self.vae_scale_factor(self.pipe)
         return type(self.pipe)._unpack_latents(out, h * vsf, w * vsf, vsf)  # [B, C, h, w]
 
+    def stock_pipeline_latents(self, pipe: Any, prompt: str, noise: torch.Tensor, steps: int) -> torch.Tensor:
+        """``FluxPipeline`` takes and returns packed 2x2 tokens: ``noise`` is packed, the result unpacked."""
+        _, C, h, w = noise.shape
+        packed = type(pipe)._pack_latents(noise, 1, C, h, w)
+        out = self.stock_call(pipe, prompt, packed, steps).images
+        factor = pipe.vae_scale_factor
+        return type(pipe)._unpack_latents(out, h * factor, w * factor, factor)
+
 
 @register_model("tiny-flux")
 @dataclass

@@ -153,6 +153,17 @@ class Flux2Klein(DiffusersFamily):
         std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(z.device, z.dtype)
         return vae.decode(type(self.pipe)._unpatchify_latents(z * std + mean), return_dict=False)[0]
 
+    def stock_pipeline_latents(self, pipe: Any, prompt: str, noise: torch.Tensor, steps: int) -> torch.Tensor:
+        """``Flux2KleinPipeline`` returns de-normalised, unpatchified latents: patchified and normalised back here
+        by the VAE's batch-norm statistics, into the policy's sampling space."""
+        out = self._stock_out(pipe, prompt, noise, steps)
+        mean = pipe.vae.bn.running_mean.view(1, -1, 1, 1)
+        std = torch.sqrt(pipe.vae.bn.running_var.view(1, -1, 1, 1) + pipe.vae.config.batch_norm_eps)
+        return (type(pipe)._patchify_latents(out) - mean) / std
+
+    def _stock_out(self, pipe: Any, prompt: str, noise: torch.Tensor, steps: int) -> torch.Tensor:
+        return self.stock_call(pipe, prompt, noise, steps, text_encoder_out_layers=self.text_encoder_out_layers).images
+
 
 @register_model("tiny-flux2")
 @dataclass
@@ -215,6 +226,10 @@ class Flux2(Flux2Klein):
             return super()._encode(prompts)
         finally:
             transformers_logging.set_verbosity(verbosity)
+
+    def stock_pipeline_latents(self, pipe: Any, prompt: str, noise: torch.Tensor, steps: int) -> torch.Tensor:
+        """``Flux2Pipeline`` (dev) returns the sampling space's tokens ``[1, h w, C]``."""
+        return self._stock_out(pipe, prompt, noise, steps).permute(0, 2, 1).reshape(noise.shape)
 
 
 @register_model("tiny-flux2-dev")

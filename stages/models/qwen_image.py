@@ -121,6 +121,17 @@ class QwenImage(DiffusersFamily):
         ``[b, C, h, w]`` to ``[b, 3, H, W]``."""
         return decode_wan_vae(self.pipe.vae, z.unsqueeze(2))[:, :, 0]
 
+    #: ``QwenImagePipeline``'s true CFG is off without a ``true_cfg_scale``; its guidance embedding is unused.
+    stock_call_kwargs: ClassVar[dict[str, Any]] = {"guidance_scale": None}
+
+    def stock_pipeline_latents(self, pipe: Any, prompt: str, noise: torch.Tensor, steps: int) -> torch.Tensor:
+        """Packed 2x2 tokens in and out, as FLUX.1; the pipeline's latents carry a frame axis of 1."""
+        _, C, h, w = noise.shape
+        packed = type(pipe)._pack_latents(noise, 1, C, h, w)
+        out = self.stock_call(pipe, prompt, packed, steps).images
+        factor = pipe.vae_scale_factor
+        return type(pipe)._unpack_latents(out, h * factor, w * factor, factor).squeeze(2)
+
 
 @register_model("tiny-qwen-image")
 @dataclass

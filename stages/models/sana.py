@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -80,6 +80,9 @@ class Sana(DiffusersFamily):
             timestep=sigma * 1000.0 * scale,
             return_dict=False,
         )[0]
+
+    #: ``SanaPipeline`` snaps the size to its aspect-ratio bins unless told not to.
+    stock_call_kwargs: ClassVar[dict[str, Any]] = {"guidance_scale": 1.0, "use_resolution_binning": False}
 
 
 @register_model("tiny-sana")

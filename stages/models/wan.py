@@ -150,6 +150,10 @@ class Wan(DiffusersFamily):
         ``[b, 3, F, H, W]``."""
         return decode_wan_vae(self.pipe.vae, z)
 
+    def stock_pipeline_latents(self, pipe: Any, prompt: str, noise: torch.Tensor, steps: int) -> torch.Tensor:
+        """``WanPipeline`` returns the latents as ``frames``, and takes the frame count."""
+        return self.stock_call(pipe, prompt, noise, steps, num_frames=self.frames).frames
+
 
 @register_model("tiny-wan")
 @dataclass

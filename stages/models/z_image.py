@@ -107,6 +107,9 @@ class ZImage(DiffusersFamily):
         _, h, w = self.latent_shape
         return self.pipeline_sigmas(steps, (h // self.patch_size) * (w // self.patch_size))
 
+    #: ``ZImagePipeline`` guides whenever ``guidance_scale > 0``.
+    stock_call_kwargs: ClassVar[dict[str, Any]] = {"guidance_scale": 0.0}
+
 
 @register_model("tiny-z-image")
 @dataclass
