@@ -252,6 +252,10 @@ class TrainConfig(_Section):
     spike_window: int = Field(32, ge=4, description="Grad norms kept for spike_factor's running median.")
 
 
+#: The key of a ``reward.models`` entry naming the registered reward it is an instance of.
+REWARD_TYPE = "type"
+
+
 class RewardConfig(_Section):
     """Training reward (weighted sum) and the rewards evaluation reports."""
 
@@ -265,7 +269,8 @@ class RewardConfig(_Section):
     models: dict[str, dict[str, Any]] = Field(
         default_factory=dict,
         description="reward name -> its options (weights paths, device, dtype, batch_size, keep_loaded), each "
-        "validated by the reward itself.",
+        "validated by the reward itself. A name may be an instance of a registered reward named by its 'type' "
+        "(judge_a: {type: pickscore, path: ...}), so one reward can score a run twice, configured differently.",
     )
     normalize: Literal["none", "group"] = Field(
         "none",
@@ -282,6 +287,15 @@ class RewardConfig(_Section):
     frame_stride: int = Field(
         1, ge=1, description="Video rewards score every frame_stride-th frame, the first included (1 = every frame)."
     )
+
+    def type_of(self, name: str) -> str:
+        """The registered reward that ``name`` (in ``weights``, ``evaluate`` or ``models``) is an instance of: its
+        ``models`` entry's ``type``, else the name itself."""
+        return self.models.get(name, {}).get(REWARD_TYPE, name)
+
+    def options_of(self, name: str) -> dict[str, Any]:
+        """``name``'s options as its reward validates them: its ``models`` entry without the ``type``."""
+        return {k: v for k, v in self.models.get(name, {}).items() if k != REWARD_TYPE}
 
 
 class FidelityConfig(_Section):
@@ -486,15 +500,16 @@ class RunConfig(_Section):
         _registered(MODELS, self.model.family, "model.family").validate_config(self)
         _registered(EXPLORE_BACKENDS, self.explore.precision, "explore.precision")
         _registered(LOSSES, self.train.loss, "train.loss").validate_config(self)
-        for name in self.reward.weights:
-            _registered(REWARDS, name, "reward.weights")
-        for name in self.reward.evaluate:
-            _registered(REWARDS, name, "reward.evaluate")
-        for name in sorted({*self.reward.weights, *self.reward.evaluate, *self.reward.models}):
-            reward = _registered(REWARDS, name, "reward.models")
-            raw = self.reward.models.get(name, {})
+        rewards = self.reward
+        for name in rewards.weights:
+            _registered(REWARDS, rewards.type_of(name), "reward.weights")
+        for name in rewards.evaluate:
+            _registered(REWARDS, rewards.type_of(name), "reward.evaluate")
+        for name in sorted({*rewards.weights, *rewards.evaluate, *rewards.models}):
+            where = f"reward.models.{name}.type" if REWARD_TYPE in rewards.models.get(name, {}) else "reward.models"
+            reward = _registered(REWARDS, rewards.type_of(name), where)
             try:
-                reward.options_for(raw)
+                reward.options_for(rewards.options_of(name))
             except ValidationError as exc:
                 raise ValueError(_describe_errors(exc, f"reward.models.{name}.", reward.Options)) from None
         return self

@@ -394,12 +394,12 @@ def rewards_bytes(cfg: Any) -> tuple[int, int]:
         ConfigError: a reward on the device declares no parameter count.
     """
     from solrl.config import ConfigError
-    from solrl.registry import REWARDS
+    from solrl.stages.rewards.base import reward_class, reward_options
 
     kept = scored = 0
     for name in sorted({*cfg.reward.weights, *cfg.reward.evaluate}):
-        reward = REWARDS.get(name)
-        options = reward.options_for(cfg.reward.models.get(name, {}))
+        reward = reward_class(name, cfg.reward.models)
+        options = reward_options(name, cfg.reward.models)
         if options.url or options.device == "cpu":
             continue
         if reward.parameters is None:

@@ -8,11 +8,11 @@ import importlib.util
 import torch
 
 from solrl.config import ConfigError, RunConfig, validate_config
-from solrl.registry import EXPLORE_BACKENDS, REWARDS
+from solrl.registry import EXPLORE_BACKENDS
 from solrl.stages.cluster import check_ray_address
 from solrl.stages.models import model_family, resolve_device
 from solrl.stages.quant.availability import runnable_precisions
-from solrl.stages.rewards import reward_options
+from solrl.stages.rewards.base import reward_class, reward_options
 from solrl.storage.fingerprint import changed_files
 
 
@@ -60,12 +60,12 @@ def check_runnable(cfg: RunConfig, prompts_sha256: str | None = None, weights: d
         )
     train, evaluation = (prompt_set.prompts for prompt_set in cfg.prompt_sets())
     for name in sorted({*cfg.reward.weights, *cfg.reward.evaluate}):
-        REWARDS.get(name).check_runnable(reward_options(name, cfg.reward.models))
+        reward_class(name, cfg.reward.models).check_runnable(reward_options(name, cfg.reward.models))
     try:
         for name in cfg.reward.weights:
-            REWARDS.get(name).check_prompts(train, "campaign.prompts_file")
+            reward_class(name, cfg.reward.models).check_prompts(train, "campaign.prompts_file")
         for name in {*cfg.reward.weights, *cfg.reward.evaluate}:
-            REWARDS.get(name).check_prompts(evaluation, "campaign.eval_prompts_file")
+            reward_class(name, cfg.reward.models).check_prompts(evaluation, "campaign.eval_prompts_file")
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if prompts_sha256 is not None and cfg.prompts_digest() != prompts_sha256:

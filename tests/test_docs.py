@@ -119,3 +119,18 @@ def test_the_configuration_guide_extends_example_loads_as_it_says(tmp_path: Path
     assert (cfg.name, cfg.explore.pool_size, cfg.select.k) == ("my-flux", 64, 16)
     assert cfg.explore.steps == base.explore.steps and cfg.model == base.model  # the rest is flux1-dev's
     assert cfg.reward.weights == {"hpsv2": 1.0}
+
+
+def test_the_rewards_page_instances_example_is_a_valid_config():
+    import json
+
+    import yaml
+
+    from solrl.config import load_config
+
+    page = (REPO / "docs" / "rewards.md").read_text()
+    (block,) = [b for b in re.findall(r"```yaml\n(.*?)```", page, re.S) if "{type:" in b]
+    reward = yaml.safe_load(block)["reward"]
+    cfg = load_config("tiny-digits", [f"reward.{key}={json.dumps(value)}" for key, value in reward.items()])
+    assert [cfg.reward.type_of(n) for n in cfg.reward.evaluate] == ["pickscore", "pickscore", "jpeg_compressibility"]
+    assert cfg.reward.options_of("jpeg_q10") == {"quality": 10}

@@ -304,3 +304,46 @@ def test_metadata_of_the_wrong_shape_says_what_does_not_match_and_the_form_expec
         ocr(three, prompts, [{"text": "hi"}, "hi", {"text": "hi"}])
     with pytest.raises(ValueError, match="3 images but 2 prompts; give one prompt per image"):
         ocr(three, prompts[:2])
+
+
+#: Two instances of one registered reward, configured differently (reward.models.<name>.type).
+TWO_JPEGS = [
+    "reward.evaluate=[digit_alignment, jpeg_q95, jpeg_q10]",
+    "reward.models={jpeg_q95: {type: jpeg_compressibility}, jpeg_q10: {type: jpeg_compressibility, quality: 10}}",
+]
+
+
+def test_two_instances_of_one_reward_score_one_run_each_with_its_options(tmp_path: Path):
+    """A reward instance is named apart from its type: jpeg_q95 and jpeg_q10 are both JPEG compressibility, at
+    quality 95 and 10, and both score the starting policy's evaluation under their own names."""
+    from conftest import tiny_config
+
+    from solrl.stages.context import StageContext
+    from solrl.stages.pipeline import run_stage
+    from solrl.storage.artifacts import EvalMetrics
+    from solrl.storage.runs import create_run
+
+    cfg = tiny_config(tmp_path / "store", *TWO_JPEGS)
+    check_runnable(cfg)
+    run = create_run(cfg, "two-jpegs")
+    run_stage(StageContext(cfg, run.run_dir, run.run_id, 0), "evaluate")
+    means = EvalMetrics.load(run.run_dir, 0).frame.groupby("reward")["mean"].mean()
+    assert {"digit_alignment", "jpeg_q95", "jpeg_q10"} <= set(means.index)
+    assert means["jpeg_q10"] > means["jpeg_q95"]  # smaller files at quality 10: a higher (less negative) reward
+    assert build_reward("jpeg_q10", "cpu", {"type": "jpeg_compressibility", "quality": 10}).options.quality == 10
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        (
+            ["reward.models={judge: {type: no-such-reward}}"],
+            r"reward.models.judge.type: unknown reward 'no-such-reward'",
+        ),
+        (["reward.models={jpeg_q0: {type: jpeg_compressibility, quality: 0}}"], r"reward.models.jpeg_q0.quality"),
+        (["reward.evaluate=[judge]"], r"reward.evaluate: unknown reward 'judge'"),  # an instance needs its type
+    ],
+)
+def test_a_bad_reward_instance_is_one_line_naming_it(overrides: list[str], match: str):
+    with pytest.raises(ConfigError, match=match):
+        load_config("tiny-digits", overrides)

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from solrl.config import ConfigError
+from solrl.config import REWARD_TYPE, ConfigError
 from solrl.registry import REWARDS
 
 #: Per-sample metadata a reward may use (e.g. GenEval's object specs); one dict per image.
@@ -168,34 +168,48 @@ def check_alignment(name: str, count: int, prompts: Sequence[str], metadata: Met
 _LOADED: dict[tuple[str, str, str], Reward] = {}
 
 
+def reward_class(name: str, models: dict[str, dict[str, Any]]) -> type[Reward]:
+    """The registered reward that ``name`` is: its ``reward.models`` entry's ``type`` (an instance of a registered
+    reward, configured on its own), else ``name`` itself.
+
+    Raises:
+        ValueError: no such registered reward (the message lists them).
+    """
+    return REWARDS.get(models.get(name, {}).get(REWARD_TYPE, name))
+
+
 def reward_options(name: str, models: dict[str, dict[str, Any]]) -> RewardOptions:
-    """The validated options of reward ``name`` from ``reward.models`` (defaults when absent).
+    """The validated options of reward ``name`` from ``reward.models`` (defaults when absent; ``type`` is not an
+    option).
 
     Raises:
         ValueError: unknown reward, or options the reward refuses (pydantic's message).
     """
-    return REWARDS.get(name).options_for(models.get(name, {}))
+    options = {k: v for k, v in models.get(name, {}).items() if k != REWARD_TYPE}
+    return reward_class(name, models).options_for(options)
 
 
 def build_reward(name: str, device: torch.device | str = "cpu", options: dict[str, Any] | None = None) -> Reward:
-    """The reward registered as ``name`` with ``options``, built once per process and device; with
-    ``options["url"]``, the client of that reward server (``solrl.stages.rewards.remote``).
+    """The reward ``name`` with ``options`` (its ``reward.models`` entry: ``type`` names the registered reward it
+    is an instance of, default ``name``), built once per process, device and options; with ``options["url"]``,
+    the client of that reward server (``solrl.stages.rewards.remote``).
 
     Raises:
-        ValueError: unknown name (the message lists the registered rewards), or bad options.
+        ValueError: unknown reward (the message lists the registered rewards), or bad options.
     """
-    validated = REWARDS.get(name).options_for(options or {})
+    models = {name: options or {}}
+    kind, validated = reward_class(name, models), reward_options(name, models)
     key = (name, validated.model_dump_json(), str(device))
     if key not in _LOADED:
+        registered = models[name].get(REWARD_TYPE, name)
         if validated.url:
             from solrl.stages.rewards.remote import RemoteReward
 
-            _LOADED[key] = RemoteReward(name, validated)
+            _LOADED[key] = RemoteReward(registered, validated)  # the server serves the registered reward
         else:
-            reward_class = REWARDS.get(name)
-            if not getattr(reward_class, "name", None):  # a plug-in that did not set it: its registered name
-                reward_class.name = name
-            _LOADED[key] = reward_class(validated, device)
+            if not getattr(kind, "name", None):  # a plug-in that did not set it: its registered name
+                kind.name = registered
+            _LOADED[key] = kind(validated, device)
     return _LOADED[key]
 
 
