@@ -94,6 +94,11 @@ def audit(
     return summary
 
 
+def audit_due(cfg: RunConfig, iteration: int) -> bool:
+    """Whether the audit runs at ``iteration``: every ``fidelity.audit_every`` iterations (0: never)."""
+    return cfg.fidelity.audit_every > 0 and iteration % cfg.fidelity.audit_every == 0
+
+
 def audit_prompts(cfg: RunConfig) -> int:
     """How many of an iteration's pools the audit regenerates: ``fidelity.audit_prompts``, at most all."""
     return min(cfg.fidelity.audit_prompts, cfg.campaign.prompts_per_iteration)

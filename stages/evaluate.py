@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from solrl.config import RunConfig
 from solrl.stages.context import StageContext
 from solrl.stages.guards import evaluation_alarms
 from solrl.stages.metrics.diversity import pairwise_diversity
@@ -24,6 +25,12 @@ from solrl.storage.artifacts import EvalMetrics, EvalSamples, TrainedPolicy
 from solrl.storage.stage import StageOutput, read_manifest
 
 GRID = EvalSamples.grid
+
+
+def evaluation_due(cfg: RunConfig, iteration: int) -> bool:
+    """Whether the evaluation runs at ``iteration``: every ``campaign.eval_every`` iterations, and at 0 (the
+    starting policy)."""
+    return iteration % cfg.campaign.eval_every == 0
 
 
 def evaluate(ctx: StageContext, out: Path, trained: TrainedPolicy | None, *, shard: Shard = WHOLE) -> StageOutput:

@@ -21,10 +21,10 @@ from functools import cached_property
 from pathlib import Path
 
 from solrl.config import RunConfig
-from solrl.stages.audit import audit, audit_prompts, reduce_audit
+from solrl.stages.audit import audit, audit_due, audit_prompts, reduce_audit
 from solrl.stages.checkpoint import checkpoint
 from solrl.stages.context import StageContext
-from solrl.stages.evaluate import evaluate, reduce_evaluate
+from solrl.stages.evaluate import evaluate, evaluation_due, reduce_evaluate
 from solrl.stages.explore import explore
 from solrl.stages.regenerate import regenerate
 from solrl.stages.score import reduce_score_explore, reduce_score_regenerate, score_explore, score_regenerate
@@ -75,6 +75,8 @@ class Stage:
     reduce: Callable[..., StageOutput] | None = None
     #: How many prompts the stage splits (shards are at most one per prompt): the iteration's by default.
     prompts: Callable[[RunConfig], int] = lambda cfg: cfg.campaign.prompts_per_iteration
+    #: ``due(cfg, iteration)``: whether the stage runs at that iteration (every iteration by default).
+    due: Callable[[RunConfig, int], bool] = lambda cfg, iteration: True
 
     @cached_property
     def reads(self) -> tuple[type[Artifact], ...]:
@@ -99,22 +101,18 @@ ITERATION: tuple[Stage, ...] = (
     Stage("select", select),
     Stage("regenerate", regenerate, Samples),
     Stage("score_regenerate", score_regenerate, RegeneratedRewards, reduce_score_regenerate),
-    Stage("audit", audit, AuditPool, reduce_audit, audit_prompts),
+    Stage("audit", audit, AuditPool, reduce_audit, audit_prompts, audit_due),
     Stage("update", update),
     Stage("checkpoint", checkpoint),
-    Stage("evaluate", evaluate, EvalSamples, reduce_evaluate, lambda cfg: len(cfg.eval_prompts())),
+    Stage("evaluate", evaluate, EvalSamples, reduce_evaluate, lambda cfg: len(cfg.eval_prompts()), evaluation_due),
 )
 STAGES = {stage.name: stage for stage in ITERATION}
 
 
 def stage_due(cfg: RunConfig, name: str, iteration: int) -> bool:
-    """Whether stage ``name`` runs at ``iteration``: the audit every ``fidelity.audit_every`` iterations,
-    evaluation every ``campaign.eval_every`` (and always at 0, the starting policy), the rest always."""
-    if name == "audit":
-        return cfg.fidelity.audit_every > 0 and iteration % cfg.fidelity.audit_every == 0
-    if name == "evaluate":
-        return iteration % cfg.campaign.eval_every == 0
-    return True
+    """Whether stage ``name`` runs at ``iteration``: as the stage says (``Stage.due``: the audit every
+    ``fidelity.audit_every`` iterations, evaluation every ``campaign.eval_every`` and at 0, the rest always)."""
+    return STAGES[name].due(cfg, iteration)
 
 
 def campaign_plan(cfg: RunConfig) -> list[tuple[int, list[str]]]:

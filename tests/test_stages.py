@@ -456,3 +456,18 @@ def test_the_evaluation_samples_the_adapter_it_is_told_to(tmp_path):
     with pytest.raises(ValueError, match="samples the rollout policy only, not the ema adapter"):
         with sampling_network(policy, "nvfp4_emulated", adapter="ema"):
             pass
+
+
+def test_each_stage_says_when_it_is_due():
+    """The campaign's plan asks each stage (``Stage.due``): the audit every fidelity.audit_every iterations, the
+    evaluation every campaign.eval_every and at 0, every other stage always."""
+    from solrl.config import load_config
+    from solrl.stages.pipeline import ITERATION, campaign_plan
+
+    cfg = load_config("tiny-digits", ["campaign.iterations=8", "fidelity.audit_every=3", "campaign.eval_every=4"])
+    plan = dict(campaign_plan(cfg))
+    assert plan[0] == ["evaluate"]
+    assert [i for i, stages in plan.items() if "audit" in stages] == [3, 6]
+    assert [i for i, stages in plan.items() if "evaluate" in stages] == [0, 4, 8]
+    always = [s.name for s in ITERATION if s.name not in ("audit", "evaluate")]
+    assert all(set(always) <= set(plan[i]) for i in range(1, 9))
