@@ -53,7 +53,7 @@ _ARTIFACTS = {
 def stage_task(store: str, run_id: str, iteration: int, stage: str) -> dict:
     """Run (or skip) one stage; returns its manifest as a dict."""
     run = open_run(store, run_id)
-    ctx = StageContext(run.config, run.run_dir, run.run_id, iteration, run.config_hash)
+    ctx = StageContext.of(run, iteration)
     logger = get_run_logger()
     with stage_notes(logger):
         manifest, skipped = run_stage(ctx, stage)
@@ -81,7 +81,7 @@ def shard_task(store: str, run_id: str, iteration: int, stage: str, index: int, 
     """Run (or skip) shard ``index`` of ``count`` of a sharded stage (its prompts only, committed on its own, so
     a failed shard is retried alone); returns whether it was skipped."""
     run = open_run(store, run_id)
-    ctx = StageContext(run.config, run.run_dir, run.run_id, iteration, run.config_hash)
+    ctx = StageContext.of(run, iteration)
     logger = get_run_logger()
     with stage_notes(logger):
         manifest, skipped = run_shard(ctx, stage, Shard(index, count))
@@ -147,7 +147,7 @@ def _run_and_track(
     if progress is not None:
         progress.stage_started(iteration, stage)
     run = open_run(store, run_id)
-    shards = stage_shards(StageContext(run.config, run.run_dir, run_id, iteration, run.config_hash), STAGES[stage])
+    shards = stage_shards(StageContext.of(run, iteration), STAGES[stage])
     task = shard_task.with_options(retries=retries)
     if len(shards) > 1 and parallel:  # at once, on the flow's task runner (Dask, Ray: a process per shard)
         with shard_submit_options(run.config):
@@ -291,7 +291,7 @@ def run_campaign(store: str, run_id: str) -> dict[str, float]:
     with run_lock(run.run_dir), tags(cockpit.run_tag(run_id)), shard_task_runner(run.config) as runner:
         cockpit.tag_flow_run([cockpit.run_tag(run_id), f"{cockpit.PRESET_TAG}{run.config.name}"], logger)
         cockpit.clear_dead_attempt(run_id, logger)
-        pending = first_pending(StageContext(run.config, run.run_dir, run_id, 0, run.config_hash))
+        pending = first_pending(StageContext.of(run, 0))
         if (line := _skipped_line(plan, pending)) is not None:
             logger.info(line)
         iteration_flow = sol_rl_iteration if runner is None else sol_rl_iteration.with_options(task_runner=runner)

@@ -394,7 +394,7 @@ def resume(
         from solrl.stages.context import StageContext
         from solrl.stages.pipeline import first_pending
 
-        pending = first_pending(StageContext(run_.config, run_.run_dir, run_id, 0, run_.config_hash))
+        pending = first_pending(StageContext.of(run_, 0))
         if pending is None:
             typer.echo(
                 f"run {run_id} is complete ({run_.config.campaign.iterations} iterations committed); "

@@ -17,6 +17,7 @@ from solrl.stages.models.adapter import EmbeddingCacheMiss
 from solrl.stages.models.policy import ADAPTERS, Policy
 from solrl.stages.sampling.samplers import derive_seed
 from solrl.storage.artifacts import CheckpointArtifact
+from solrl.storage.runs import Run
 
 #: Folder of the run store caching the prompt embeddings of a run (one safetensors file per model and prompt set).
 PROMPT_EMBEDDINGS = "prompt_embeddings"
@@ -41,6 +42,11 @@ class StageContext:
     iteration: int
     #: The run's recorded config hash (``Run.config_hash``); defaults to the config's digest.
     config_hash: str = ""
+
+    @classmethod
+    def of(cls, run: Run, iteration: int) -> StageContext:
+        """The context of ``run``'s stages at ``iteration``: its stored config, folder, id and config hash."""
+        return cls(run.config, run.run_dir, run.run_id, iteration, run.config_hash)
 
     @property
     def config_key(self) -> str:

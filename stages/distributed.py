@@ -25,6 +25,7 @@ backward, which DDP's per-forward reducer hooks do not expect; the all-reduce it
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -221,11 +222,12 @@ def open_context(store: str, run_id: str, iteration: int, layout: dict | None = 
     (``train_layout``) over its stored config."""
     from solrl.storage.runs import open_run
 
-    run = open_run(store, run_id)
-    cfg = run.config
+    ctx = StageContext.of(open_run(store, run_id), iteration)
     if layout:
-        cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update=layout)})
-    return StageContext(cfg, run.run_dir, run.run_id, iteration, run.config_hash)
+        ctx = dataclasses.replace(
+            ctx, cfg=ctx.cfg.model_copy(update={"train": ctx.cfg.train.model_copy(update=layout)})
+        )
+    return ctx
 
 
 def train_rank(ctx: StageContext, out: Path | None, rank: int, world: int) -> StageOutput:
