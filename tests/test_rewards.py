@@ -347,3 +347,11 @@ def test_two_instances_of_one_reward_score_one_run_each_with_its_options(tmp_pat
 def test_a_bad_reward_instance_is_one_line_naming_it(overrides: list[str], match: str):
     with pytest.raises(ConfigError, match=match):
         load_config("tiny-digits", overrides)
+
+
+def test_one_instance_name_of_two_types_in_one_process_builds_each_type():
+    """The built-rewards cache is keyed by the registered type too: a process that scores two runs whose
+    ``judge`` is another reward each (pytest does) must not get the first run's reward back."""
+    jpeg = build_reward("judge", "cpu", {"type": "jpeg_compressibility"})
+    digits = build_reward("judge", "cpu", {"type": "digit_alignment"})
+    assert (jpeg.name, digits.name) == ("jpeg_compressibility", "digit_alignment")

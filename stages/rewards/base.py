@@ -164,8 +164,8 @@ def check_alignment(name: str, count: int, prompts: Sequence[str], metadata: Met
             raise ValueError(f"reward {name}: metadata entry {i} is a {type(entry).__name__}, not a dict; {expected}")
 
 
-#: Rewards built in this process: (name, options JSON, device) -> reward.
-_LOADED: dict[tuple[str, str, str], Reward] = {}
+#: Rewards built in this process: (name, registered reward, options JSON, device) -> reward.
+_LOADED: dict[tuple[str, str, str, str], Reward] = {}
 
 
 def reward_class(name: str, models: dict[str, dict[str, Any]]) -> type[Reward]:
@@ -199,9 +199,9 @@ def build_reward(name: str, device: torch.device | str = "cpu", options: dict[st
     """
     models = {name: options or {}}
     kind, validated = reward_class(name, models), reward_options(name, models)
-    key = (name, validated.model_dump_json(), str(device))
+    registered = models[name].get(REWARD_TYPE, name)
+    key = (name, registered, validated.model_dump_json(), str(device))
     if key not in _LOADED:
-        registered = models[name].get(REWARD_TYPE, name)
         if validated.url:
             from solrl.stages.rewards.remote import RemoteReward
 
