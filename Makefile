@@ -41,7 +41,7 @@ lint: install
 # reference, one page per model family) are written by docs/gen_pages.py at build time. The two variables silence
 # MkDocs' and Material's banners about their successors (printed on every build).
 docs: install
-	DISABLE_MKDOCS_2_WARNING=true NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+	DISABLE_MKDOCS_2_WARNING=true NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 docs-serve: install
 	DISABLE_MKDOCS_2_WARNING=true NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve

@@ -134,3 +134,11 @@ def test_the_rewards_page_instances_example_is_a_valid_config():
     cfg = load_config("tiny-digits", [f"reward.{key}={json.dumps(value)}" for key, value in reward.items()])
     assert [cfg.reward.type_of(n) for n in cfg.reward.evaluate] == ["pickscore", "pickscore", "jpeg_compressibility"]
     assert cfg.reward.options_of("jpeg_q10") == {"quality": 10}
+
+
+def test_make_docs_builds_strict_and_loud():
+    """``mkdocs build --strict --quiet`` passes whatever the warnings: --quiet keeps them from MkDocs' strict
+    counter (MkDocs 1.6), so a broken link passed ``make docs`` until an adversarial review noticed."""
+    recipe = re.search(r"^docs:.*\n((?:\t.*\n)+)", (REPO / "Makefile").read_text(), re.M).group(1)
+    assert "mkdocs build --strict" in recipe
+    assert not re.search(r"mkdocs build[^\n]*(?:\s-q\b|--quiet)", recipe)

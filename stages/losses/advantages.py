@@ -68,9 +68,11 @@ def prompt_history_advantages(
     ``zero_std_ratio``. Clipped to ``[-clip, clip]``.
 
     Args:
-        rewards: float ``[P, k]``, one row per group; prompts: the ``P`` group prompts (repeats allowed).
+        rewards: float ``[P, k]``, one row per group.
+        prompts: the ``P`` group prompts (repeats allowed).
         history: prompt -> float ``[n]`` older rewards, oldest first (not modified).
-        buffer_size, min_count: the tracker's window and the count below which batch statistics are used.
+        buffer_size: the tracker's window (rewards kept per prompt).
+        min_count: the count below which batch statistics are used.
 
     Returns:
         (advantages float32 ``[P, k]``, the updated history: every prompt's last ``buffer_size`` rewards).

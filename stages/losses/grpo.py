@@ -81,8 +81,8 @@ def grpo_loss(
         mean of ``b_t std`` added to the scaled log-ratio by RatioNorm: 0 without the guard).
 
     Raises:
-        ValueError: ``clip_range <= 0``, ``kl_beta > 0`` without mean, ref_mean and std, or ``old_mean`` without
-        mean, std and a positive dt.
+        ValueError: ``clip_range <= 0``, ``kl_beta > 0`` without mean, ref_mean and std, or ``old_mean``
+            without mean, std and a positive dt.
     """
     if clip_range <= 0:
         raise ValueError(f"clip_range must be > 0, got {clip_range}")
@@ -227,8 +227,9 @@ def rollout_mean(
     ``sample_sde`` drew it; ``batch.noise`` when the update drew them already).
 
     Raises:
-        ValueError: the batch has no seeds. RuntimeError: the recovered mean does not reproduce the stored
-        old log-probs within ``OLD_MEAN_TOLERANCE`` (the trajectory was not sampled from its seeds' noise).
+        ValueError: the batch has no seeds.
+        RuntimeError: the recovered mean does not reproduce the stored old log-probs within
+            ``OLD_MEAN_TOLERANCE`` (the trajectory was not sampled from its seeds' noise).
     """
     if batch.seeds is None or batch.trajectory is None:
         raise ValueError("train.grpo_guard needs each sample's seed and its stored SDE trajectory")

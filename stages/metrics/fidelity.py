@@ -17,7 +17,8 @@ def group_agreement(explore: np.ndarray, bf16: np.ndarray) -> list[dict[str, flo
     the explore top half that is also in the BF16 top half.
 
     Args:
-        explore, bf16: float ``[P, k]`` paired rewards of the same seeds (row = prompt group).
+        explore: float ``[P, k]`` explore rewards of the kept seeds (row = prompt group).
+        bf16: float ``[P, k]`` BF16 rewards of the same seeds.
 
     Raises:
         ValueError: shapes differ or are not 2-D.
@@ -57,7 +58,8 @@ def pool_agreement(
     """Full-pool agreement of explore and BF16 rewards of the same seeds (the unbiased audit; paper Table 3).
 
     Args:
-        explore, bf16: float ``[P, N]`` rewards of every candidate of P pools.
+        explore: float ``[P, N]`` explore rewards of every candidate of P pools.
+        bf16: float ``[P, N]`` BF16 rewards of the same candidates.
         k: kept per prompt by best_worst (k/2 best, k/2 worst).
         tops: n for the top-n / bottom-n figures (those with ``n <= N / 2``).
 
