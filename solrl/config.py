@@ -18,6 +18,8 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import os
+import re
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
@@ -254,6 +256,11 @@ class TrainConfig(_Section):
 
 #: The key of a ``reward.models`` entry naming the registered reward it is an instance of.
 REWARD_TYPE = "type"
+#: The evaluation's own measures, logged beside the rewards as ``eval/<name>`` (``stages/evaluate.py``): no reward
+#: instance may take one of these names.
+EVAL_MEASURES = ("diversity", "grid_energy", "temporal_change")
+#: What a reward instance's name may hold: it becomes an MLflow metric name (``eval/<name>``) and a table value.
+_INSTANCE_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 
 class RewardConfig(_Section):
@@ -287,6 +294,23 @@ class RewardConfig(_Section):
     frame_stride: int = Field(
         1, ge=1, description="Video rewards score every frame_stride-th frame, the first included (1 = every frame)."
     )
+
+    @field_validator("models")
+    @classmethod
+    def _instances(cls, models: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        """An instance's ``type`` is a name, and its own name one MLflow and the tables can carry."""
+        for name, entry in models.items():
+            if REWARD_TYPE not in entry:
+                continue
+            kind = entry[REWARD_TYPE]
+            if not isinstance(kind, str) or not kind:
+                raise ValueError(f"{name}.{REWARD_TYPE} must name a registered reward, got {kind!r}")
+            if not _INSTANCE_NAME.fullmatch(name) or name.startswith(".") or name in EVAL_MEASURES:
+                raise ValueError(
+                    f"{name!r} cannot name a reward instance: use letters, digits, '_', '-' and '.', not starting "
+                    f"with '.', and none of the evaluation's own measures ({', '.join(EVAL_MEASURES)})"
+                )
+        return models
 
     def type_of(self, name: str) -> str:
         """The registered reward that ``name`` (in ``weights``, ``evaluate`` or ``models``) is an instance of: its
@@ -507,6 +531,11 @@ class RunConfig(_Section):
             _registered(REWARDS, rewards.type_of(name), "reward.evaluate")
         for name in sorted({*rewards.weights, *rewards.evaluate, *rewards.models}):
             where = f"reward.models.{name}.type" if REWARD_TYPE in rewards.models.get(name, {}) else "reward.models"
+            if rewards.type_of(name) != name and name in REWARDS:
+                raise ValueError(
+                    f"reward.models.{name}: {name!r} is a registered reward, so it cannot name an instance of "
+                    f"{rewards.type_of(name)!r} (its scores would be reported as {name}); name the instance otherwise"
+                )
             reward = _registered(REWARDS, rewards.type_of(name), where)
             try:
                 reward.options_for(rewards.options_of(name))
@@ -685,6 +714,10 @@ def _preset_path(source: str | Path, relative_to: Path | None = None) -> Path:
     return path
 
 
+class _ExtendsError(ConfigError):
+    """A preset's ``extends`` cannot be resolved; the message names the extending file."""
+
+
 def _read_preset(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
     """The mapping a preset file describes, with the presets it ``extends`` merged under it.
 
@@ -713,16 +746,22 @@ def _read_preset(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
     if base is None:
         return data
     if not isinstance(base, str) or not base:
-        raise ConfigError(f"config {str(path)!r}: extends must name a preset or a YAML path, got {base!r}")
+        raise _ExtendsError(f"config {str(path)!r}: extends must name a preset or a YAML path, got {base!r}")
     try:
-        base_path = _preset_path(base, relative_to=path.resolve().parent)
-    except ConfigError as exc:
-        raise ConfigError(f"config {str(path)!r} extends {base!r}: {exc}") from None
-    chain = (*chain, path.resolve())
-    if base_path.resolve() in chain:
-        cycle = " -> ".join(p.stem for p in (*chain, base_path.resolve()))
-        raise ConfigError(f"config {str(path)!r}: extends makes a cycle ({cycle}); remove one of the extends")
-    merged = _read_preset(base_path, chain)
+        base_path = _preset_path(Path(base).expanduser(), relative_to=path.resolve().parent)
+        here, there = path.resolve(), base_path.resolve()
+    except (ConfigError, OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop
+        raise _ExtendsError(f"config {str(path)!r} extends {base!r}: {exc}") from None
+    chain = (*chain, here)
+    if there in chain:
+        cycle = " -> ".join(os.path.relpath(p, chain[0].parent) for p in (*chain, there))
+        raise _ExtendsError(f"config {str(path)!r}: extends makes a cycle ({cycle}); remove one of the extends")
+    try:
+        merged = _read_preset(base_path, chain)
+    except _ExtendsError:  # said by a preset further down the chain, which it names
+        raise
+    except ConfigError as exc:  # the base itself cannot be read: named with the preset that extends it
+        raise _ExtendsError(f"config {str(path)!r} extends {base!r}: {exc}") from None
     for key, value in data.items():
         if isinstance(value, dict) and isinstance(merged.get(key), dict):
             merged[key] = {**merged[key], **value}  # a section: its keys one by one

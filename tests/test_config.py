@@ -265,11 +265,18 @@ def test_every_shipped_preset_that_extends_another_resolves_without_the_key():
 @pytest.mark.parametrize(
     ("files", "match"),
     [
-        ({"a.yaml": "extends: b.yaml\n", "b.yaml": "extends: a.yaml\n"}, r"extends makes a cycle \(a -> b -> a\)"),
-        ({"a.yaml": "extends: a.yaml\n"}, r"extends makes a cycle \(a -> a\)"),
+        (
+            {"a.yaml": "extends: b.yaml\n", "b.yaml": "extends: a.yaml\n"},
+            r"extends makes a cycle \(a.yaml -> b.yaml -> a.yaml\)",
+        ),
+        ({"a.yaml": "extends: a.yaml\n"}, r"extends makes a cycle \(a.yaml -> a.yaml\)"),
         ({"a.yaml": "extends: no-such-preset\n"}, r"extends 'no-such-preset': no preset or file named"),
         ({"a.yaml": "extends: [sol-rl]\n"}, r"extends must name a preset or a YAML path, got \['sol-rl'\]"),
-        ({"a.yaml": "extends: b.yaml\n", "b.yaml": "- not a mapping\n"}, r"b.yaml' must be a mapping of sections"),
+        (
+            {"a.yaml": "extends: b.yaml\n", "b.yaml": "- not a mapping\n"},
+            r"a.yaml' extends 'b.yaml': .*b.yaml' must be a",
+        ),
+        ({"a.yaml": "extends: nope.yaml\n"}, r"a.yaml' extends 'nope.yaml': .*nope.yaml"),  # the extending file named
     ],
 )
 def test_a_bad_extends_is_one_line_naming_it(tmp_path: Path, files: dict[str, str], match: str):

@@ -342,6 +342,16 @@ def test_two_instances_of_one_reward_score_one_run_each_with_its_options(tmp_pat
         ),
         (["reward.models={jpeg_q0: {type: jpeg_compressibility, quality: 0}}"], r"reward.models.jpeg_q0.quality"),
         (["reward.evaluate=[judge]"], r"reward.evaluate: unknown reward 'judge'"),  # an instance needs its type
+        (
+            ["reward.models={judge: {type: [pickscore]}}"],
+            r"judge.type must name a registered reward, got \['pickscore'\]",
+        ),
+        (  # a registered reward's name reused for another reward: its scores would be reported under the wrong name
+            ["reward.models={pickscore: {type: jpeg_compressibility}}", "reward.weights={pickscore: 1.0}"],
+            r"'pickscore' is a registered reward, so it cannot name an instance of 'jpeg_compressibility'",
+        ),
+        (["reward.models={'judge(a)': {type: jpeg_compressibility}}"], r"'judge\(a\)' cannot name a reward instance"),
+        (["reward.models={diversity: {type: jpeg_compressibility}}"], r"'diversity' cannot name a reward instance"),
     ],
 )
 def test_a_bad_reward_instance_is_one_line_naming_it(overrides: list[str], match: str):
