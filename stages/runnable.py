@@ -60,7 +60,7 @@ def check_runnable(cfg: RunConfig, prompts_sha256: str | None = None, weights: d
         )
     train, evaluation = (prompt_set.prompts for prompt_set in cfg.prompt_sets())
     for name in sorted({*cfg.reward.weights, *cfg.reward.evaluate}):
-        reward_class(name, cfg.reward.models).check_runnable(reward_options(name, cfg.reward.models))
+        reward_class(name, cfg.reward.models).check_runnable(reward_options(name, cfg.reward.models), name)
     try:
         for name in cfg.reward.weights:
             reward_class(name, cfg.reward.models).check_prompts(train, "campaign.prompts_file")

@@ -365,3 +365,15 @@ def test_one_instance_name_of_two_types_in_one_process_builds_each_type():
     jpeg = build_reward("judge", "cpu", {"type": "jpeg_compressibility"})
     digits = build_reward("judge", "cpu", {"type": "digit_alignment"})
     assert (jpeg.name, digits.name) == ("jpeg_compressibility", "digit_alignment")
+
+
+def test_a_missing_weights_file_of_an_instance_names_the_instance(tmp_path: Path):
+    cfg = load_config(
+        "tiny-digits",
+        [
+            "reward.evaluate=[digit_alignment, pick_ft]",
+            f"reward.models={{pick_ft: {{type: pickscore, path: {tmp_path / 'nope'}, processor: {tmp_path}}}}}",
+        ],
+    )
+    with pytest.raises(ConfigError, match=r"reward.models.pick_ft.path: .*nope does not exist"):
+        check_runnable(cfg)

@@ -90,14 +90,16 @@ class Reward:
         return {}
 
     @classmethod
-    def check_runnable(cls, options: RewardOptions) -> None:
-        """Raises ConfigError naming a missing module or the first missing weights path and where the weights
-        are published; for a remote reward, unless its server answers."""
+    def check_runnable(cls, options: RewardOptions, key: str | None = None) -> None:
+        """Raises ConfigError naming a missing module or the first missing weights path (as
+        ``reward.models.<key>.<option>``; ``key`` is an instance's own name, default the registered one) and where
+        the weights are published; for a remote reward, unless its server answers."""
+        key = key or cls.name
         if options.url:
             from solrl.stages.rewards.remote import RemoteReward
 
             try:
-                RemoteReward(cls.name, options).check_server()
+                RemoteReward(cls.name, options, key).check_server()
             except RewardError as exc:
                 raise ConfigError(str(exc)) from None
             return
@@ -107,7 +109,7 @@ class Reward:
         for option, path in cls.weight_files(options).items():
             if path is not None and not Path(path).expanduser().exists():
                 where = f"; weights: {cls.published}" if cls.published else ""
-                raise ConfigError(f"reward.models.{cls.name}.{option}: {path} does not exist{where}")
+                raise ConfigError(f"reward.models.{key}.{option}: {path} does not exist{where}")
 
     def _score(self, images: np.ndarray, prompts: Sequence[str], metadata: Metadata) -> np.ndarray | torch.Tensor:
         """Scores of one batch: images uint8 ``[b, H, W, 3]`` -> ``[b]``."""
@@ -205,7 +207,7 @@ def build_reward(name: str, device: torch.device | str = "cpu", options: dict[st
         if validated.url:
             from solrl.stages.rewards.remote import RemoteReward
 
-            _LOADED[key] = RemoteReward(registered, validated)  # the server serves the registered reward
+            _LOADED[key] = RemoteReward(registered, validated, name)  # the server serves the registered reward
         else:
             if not getattr(kind, "name", None):  # a plug-in that did not set it: its registered name
                 kind.name = registered

@@ -107,11 +107,14 @@ class RemoteReward(Reward):
         RewardError: the server could not score a batch; the message names the reward, URL and cause.
     """
 
-    def __init__(self, name: str, options: RewardOptions) -> None:
+    def __init__(self, name: str, options: RewardOptions, key: str | None = None) -> None:
+        """``name``: the registered reward the server serves; ``key``: this reward's name under ``reward.models``
+        (an instance's own name; default ``name``), for the messages."""
         import httpx
 
         super().__init__(options, "cpu")
         self.name = name  # type: ignore[misc]  # the served reward's name, not a class constant here
+        self.key = key or name
         self.url = str(options.url).rstrip("/")
         token = reward_token()
         headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -139,7 +142,7 @@ class RemoteReward(Reward):
         raise RewardError(
             f"reward {self.name}: the reward server at {self.url} could not score a batch after "
             f"{attempt + 1} attempt(s) ({cause}); start it with `solrl reward-server {self.name}` or "
-            f"fix reward.models.{self.name}.url, then resume"
+            f"fix reward.models.{self.key}.url, then resume"
         )
 
     def _score(self, images: np.ndarray, prompts: Sequence[str], metadata: Metadata) -> np.ndarray:
