@@ -263,6 +263,17 @@ EVAL_MEASURES = ("diversity", "grid_energy", "temporal_change")
 _INSTANCE_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 
+def reward_type(name: str, models: dict[str, dict[str, Any]]) -> str:
+    """The registered reward that ``name`` is an instance of: its ``reward.models`` entry's ``type``, else
+    ``name`` itself."""
+    return models.get(name, {}).get(REWARD_TYPE, name)
+
+
+def reward_option_values(name: str, models: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """``name``'s options as its reward validates them: its ``reward.models`` entry without the ``type``."""
+    return {k: v for k, v in models.get(name, {}).items() if k != REWARD_TYPE}
+
+
 class RewardConfig(_Section):
     """Training reward (weighted sum) and the rewards evaluation reports."""
 
@@ -315,11 +326,11 @@ class RewardConfig(_Section):
     def type_of(self, name: str) -> str:
         """The registered reward that ``name`` (in ``weights``, ``evaluate`` or ``models``) is an instance of: its
         ``models`` entry's ``type``, else the name itself."""
-        return self.models.get(name, {}).get(REWARD_TYPE, name)
+        return reward_type(name, self.models)
 
     def options_of(self, name: str) -> dict[str, Any]:
         """``name``'s options as its reward validates them: its ``models`` entry without the ``type``."""
-        return {k: v for k, v in self.models.get(name, {}).items() if k != REWARD_TYPE}
+        return reward_option_values(name, self.models)
 
 
 class FidelityConfig(_Section):

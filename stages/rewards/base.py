@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from solrl.config import REWARD_TYPE, ConfigError
+from solrl.config import ConfigError, reward_option_values, reward_type
 from solrl.registry import REWARDS
 
 #: Per-sample metadata a reward may use (e.g. GenEval's object specs); one dict per image.
@@ -177,7 +177,7 @@ def reward_class(name: str, models: dict[str, dict[str, Any]]) -> type[Reward]:
     Raises:
         ValueError: no such registered reward (the message lists them).
     """
-    return REWARDS.get(models.get(name, {}).get(REWARD_TYPE, name))
+    return REWARDS.get(reward_type(name, models))
 
 
 def reward_options(name: str, models: dict[str, dict[str, Any]]) -> RewardOptions:
@@ -187,8 +187,7 @@ def reward_options(name: str, models: dict[str, dict[str, Any]]) -> RewardOption
     Raises:
         ValueError: unknown reward, or options the reward refuses (pydantic's message).
     """
-    options = {k: v for k, v in models.get(name, {}).items() if k != REWARD_TYPE}
-    return reward_class(name, models).options_for(options)
+    return reward_class(name, models).options_for(reward_option_values(name, models))
 
 
 def build_reward(name: str, device: torch.device | str = "cpu", options: dict[str, Any] | None = None) -> Reward:
@@ -201,7 +200,7 @@ def build_reward(name: str, device: torch.device | str = "cpu", options: dict[st
     """
     models = {name: options or {}}
     kind, validated = reward_class(name, models), reward_options(name, models)
-    registered = models[name].get(REWARD_TYPE, name)
+    registered = reward_type(name, models)
     key = (name, registered, validated.model_dump_json(), str(device))
     if key not in _LOADED:
         if validated.url:
