@@ -104,12 +104,8 @@ def cli_reference() -> str:
     return f"# Command line reference\n\n{intro}{title.replace('# ', '## ', 1)}\n{rest}"
 
 
-def family_page(family: str, twins: list[str], module: str) -> str:
-    presets = []
-    for preset in list_presets():
-        cfg = load_config(preset)
-        if cfg.model.family in (family, *twins):
-            presets.append(cfg)
+def family_page(family: str, twins: list[str], module: str, configs: list[RunConfig]) -> str:
+    presets = [cfg for cfg in configs if cfg.model.family in (family, *twins)]
     display = (importlib.import_module(module).__doc__ or family).split(" (")[0].strip()  # "SANA", "FLUX.2"
     out = [
         f"# {display} (`{family}`)",
@@ -156,9 +152,10 @@ with mkdocs_gen_files.open("reference/cli.md", "w") as f:
     f.write(cli_reference())
 mkdocs_gen_files.set_edit_path("reference/cli.md", "../solrl/cli.py")
 
+shipped = [load_config(preset) for preset in list_presets()]  # read once, for every family's page
 for family, twins, module in families():
     with mkdocs_gen_files.open(f"models/families/{family}.md", "w") as f:
-        f.write(family_page(family, twins, module))
+        f.write(family_page(family, twins, module, shipped))
 
 for path in sorted((REPO / "bench" / "results").rglob("*")):
     if path.suffix in (".md", ".png", ".csv", ".json") and path.is_file():
