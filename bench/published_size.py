@@ -133,6 +133,7 @@ def overrides(preset: str, root: Path, weights: Path, reward: Path, blocks: int,
         f"reward.models={{pickscore: {{path: {reward}}}}}",
         "fidelity.audit_every=0",
         "tracking.grid_prompts=1",
+        "storage.pool=full",  # the row records the explore pool's images (a campaign keeps latents by default)
         "campaign.iterations=1",
         "campaign.prompts_per_iteration=1",
         f"campaign.prompts_file={root / 'train.txt'}",

@@ -37,6 +37,7 @@ from solrl.stages.sharding import Shard
 from solrl.storage.artifacts import EvalSamples, Selection
 from solrl.storage.html_report import REPORT_DIR, write_report
 from solrl.storage.mirror import publish_folder
+from solrl.storage.retention import after_iteration, prune_run
 from solrl.storage.runs import Run, open_run, run_lock
 from solrl.storage.stage import read_manifest, require, stage_dir
 from solrl.storage.tracking import Tracker
@@ -315,6 +316,12 @@ def run_campaign(store: str, run_id: str) -> dict[str, float]:
                     with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
                         metrics = iteration_flow(store, run_id, iteration, stages, runner is not None, committed)
                     logger.info(progress.summary(iteration))
+                if freed := after_iteration(run.config, run.run_dir, iteration):
+                    logger.info(
+                        "iteration %d: %.1f MiB of pool data pruned (storage.pool, keep_pools)",
+                        iteration,
+                        freed / 2**20,
+                    )
                 if _guard_stopped(run, iteration, stages, tracker, logger):
                     break
         except BaseException as exc:
@@ -322,6 +329,8 @@ def run_campaign(store: str, run_id: str) -> dict[str, float]:
             raise
         finally:
             progress.close()
+        if freed := prune_run(run.config, run.run_dir):  # settings changed since earlier iterations ran
+            logger.info("%.1f MiB of earlier iterations' pool data pruned (storage.pool, keep_pools)", freed / 2**20)
         _log_report(run, tracker, logger)
         tracker.finish()
     return metrics

@@ -619,9 +619,63 @@ def inspect(
         _fail(
             f"run {run_id} iteration {iteration}: {', '.join(corrupted)} "
             f"{'fails' if len(corrupted) == 1 else 'fail'} verification (a manifest is unreadable "
-            f"or a file changed since it was committed); their files are not shown, and `solrl resume {run_id} "
-            f"--store {store}` recomputes them"
+            f"or a file changed since it was committed); their files are not shown. `solrl verify {run_id} --store "
+            f"{store} --redo` uncommits every stage whose files changed, and `solrl resume` then recomputes them"
         )
+
+
+@app.command()
+def verify(
+    run_id: Annotated[str, typer.Argument(help="The run to verify.")],
+    redo: Annotated[
+        bool, typer.Option("--redo", help="Uncommit every stage with a changed file, so `solrl resume` redoes it.")
+    ] = False,
+    store: StoreOption = "runs",
+) -> None:
+    """Re-hash every committed file of a run against its manifest and name any that differ (exit 1).
+
+    A file's sha256 is computed once, when its stage commits it; campaigns, resumes and audits then check only
+    sizes, so this is where a flipped byte is found."""
+    from rich.progress import Progress
+
+    from solrl.storage.runs import open_run, run_lock
+    from solrl.storage.stage import committed_stages, uncommit, verify_run
+
+    try:
+        run_ = open_run(store, run_id)
+    except ConfigError as exc:
+        _fail(str(exc))
+    stages = committed_stages(run_.run_dir)
+    with Progress(transient=True, disable=not sys.stderr.isatty()) as progress:
+        task = progress.add_task("verifying", total=len(stages))
+        seen: set[tuple[int, str]] = set()
+
+        def advance(iteration: int, stage: str, file: str) -> None:
+            if (iteration, stage) not in seen:
+                seen.add((iteration, stage))
+                progress.update(task, completed=len(seen), description=f"iteration {iteration} {stage}")
+
+        found = verify_run(run_.run_dir, advance)
+    if not found:
+        typer.echo(f"run {run_id}: every file of its {len(stages)} committed stages matches its manifest")
+        return
+    for bad in found:
+        typer.echo(f"iteration {bad.iteration} {bad.stage}: {bad.file}: {bad.problem}")
+    changed = sorted({(bad.iteration, bad.stage) for bad in found})
+    if redo:
+        try:
+            with run_lock(run_.run_dir):
+                for iteration, stage in changed:
+                    uncommit(run_.run_dir, iteration, stage)
+        except ConfigError as exc:
+            _fail(str(exc))
+        typer.echo(
+            f"{len(changed)} stage(s) uncommitted; `solrl resume {run_id} --store {store}` recomputes them and "
+            f"whatever depends on them"
+        )
+    else:
+        typer.echo(f"{len(changed)} stage(s) changed; `solrl verify {run_id} --store {store} --redo` uncommits them")
+    raise typer.Exit(1)
 
 
 @app.command()
@@ -635,18 +689,41 @@ def show(
     store: StoreOption = "runs",
 ) -> None:
     """Draw one prompt's whole candidate pool, ordered by explore reward, the kept seeds marked."""
+    import numpy as np
+
     from solrl.stages.metrics.grid import save_pool_grid
     from solrl.storage.audit import pool_view
     from solrl.storage.stage import StageNotCommitted
 
     run_, iteration, _ = _open_iteration(store, run_id, iteration)
+    decoded = []
+
+    def decode(latents: np.ndarray) -> np.ndarray:
+        """The pool's latents through the run's model (a pool kept as latents, ``storage.pool=latents``)."""
+        import torch
+
+        from solrl.stages.models import load_model, resolve_device
+        from solrl.stages.runnable import check_runnable
+
+        check_runnable(run_.config, run_.prompts_sha256, run_.weights)
+        model = load_model(run_.config.model, resolve_device(run_.config.model.device), text_encoders=False)
+        decoded.append(run_.config.model.family)
+        with torch.no_grad():
+            tensor = torch.from_numpy(np.ascontiguousarray(latents)).to(model.device, model.transformer.dtype)
+            return model.decode(tensor)
+
     try:
-        view = pool_view(run_.run_dir, iteration, prompt)
+        view = pool_view(run_.run_dir, iteration, prompt, decode)
     except StageNotCommitted:
         _fail(
             f"run {run_id} iteration {iteration}: no verified candidate pool and rewards (explore and "
             f"score_explore must be committed; `solrl inspect {run_id} --iteration {iteration} --store {store}` shows "
             f"their state)"
+        )
+    except ConfigError as exc:
+        _fail(
+            f"run {run_id} iteration {iteration}: the pool is kept as latents and this machine cannot decode them: "
+            f"{exc}"
         )
     except LookupError as exc:
         _fail(str(exc))
@@ -667,7 +744,49 @@ def show(
         )
     except OSError as exc:
         _fail(f"--out {out}: cannot write the PNG there ({exc.strerror or exc})")
-    typer.echo(f"pool of {view.prompt!r} ({len(view.rewards)} candidates, {kept} kept) written to {out}")
+    how = f", decoded from its latents by the {decoded[0]} model" if decoded else ""
+    typer.echo(f"pool of {view.prompt!r} ({len(view.rewards)} candidates, {kept} kept{how}) written to {out}")
+
+
+@app.command()
+def prune(
+    run_id: Annotated[str, typer.Argument(help="The run to prune.")],
+    pool: Annotated[
+        str | None, typer.Option(help="What every pool keeps: full, latents or rankings (default: the run's).")
+    ] = None,
+    keep_last: Annotated[
+        int | None, typer.Option(min=0, help="Keep the pool data of the last N iterations (default: the run's).")
+    ] = None,
+    keep_every: Annotated[int | None, typer.Option(min=0, help="Also keep every Mth iteration's (0 = none).")] = None,
+    store: StoreOption = "runs",
+) -> None:
+    """Remove pool data as storage.pool and storage.keep_pools say (the run's settings, or these): explore's
+    images, latents and trajectories and regenerate's likewise, of iterations whose checkpoint is committed.
+    Manifests keep the record of what was there; rankings, rewards, selections, checkpoints and evaluations stay,
+    and the run resumes and reports as before. A campaign applies the same rule after every iteration."""
+    from solrl.storage.retention import prune_run
+    from solrl.storage.runs import open_run, run_lock
+
+    try:
+        run_ = open_run(store, run_id)
+        storage = run_.config.storage.model_dump()
+        if pool is not None:
+            storage["pool"] = pool
+        if keep_last is not None:
+            storage["keep_pools"]["last"] = keep_last
+        if keep_every is not None:
+            storage["keep_pools"]["every"] = keep_every
+        cfg = run_.config.model_copy(update={"storage": type(run_.config.storage).model_validate(storage)})
+        with run_lock(run_.run_dir):
+            freed = prune_run(cfg, run_.run_dir)
+    except ConfigError as exc:
+        _fail(str(exc))
+    except ValueError as exc:  # pydantic's message for a bad --pool
+        _fail(f"--pool {pool!r}: give full, latents or rankings ({str(exc).splitlines()[0]})")
+    typer.echo(
+        f"run {run_id}: {freed / 2**20:.1f} MiB of pool data removed (pool={cfg.storage.pool}, "
+        f"keep_pools last={cfg.storage.keep_pools.last} every={cfg.storage.keep_pools.every})"
+    )
 
 
 @app.command()

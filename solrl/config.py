@@ -346,8 +346,34 @@ class FidelityConfig(_Section):
     )
 
 
+class KeepPools(_Section):
+    """Which iterations keep their pool data (``storage.keep_pools``, issue 36); the rest are pruned once their
+    checkpoint is committed."""
+
+    last: int | None = Field(
+        None,
+        ge=0,
+        description="Keep the pools of the last N iterations with a committed checkpoint; null = keep every pool.",
+    )
+    every: int = Field(0, ge=0, description="Also keep the pools of every Mth iteration (M, 2M, ...); 0 = none.")
+
+
 class StorageConfig(_Section):
     root: str = Field("runs", description="Run store: <root>/<run_id>/ holds every stage output.")
+    pool: Literal["full", "latents", "rankings"] = Field(
+        "latents",
+        description="What an iteration's candidate pool keeps once its checkpoint is committed: full = every "
+        "candidate's image; latents = every candidate's final latents (solrl show and the report decode them with "
+        "the run's model when asked; SANA's 1024 px latent is 1/24 of its image's bytes), images dropped; "
+        "rankings = neither (the rewards, ranks and selection tables are always kept). The rest of the "
+        "iteration reads the full pool before it is pruned.",
+    )
+    keep_pools: KeepPools = Field(
+        default_factory=KeepPools,
+        description="Retention: iterations outside it lose their pool data (explore's images, latents and "
+        "trajectories, regenerate's likewise) once their checkpoint is committed; manifests, rewards, selections, "
+        "checkpoints and evaluations are always kept. Applied after each iteration and by `solrl prune`.",
+    )
 
 
 class TrackingConfig(_Section):
@@ -626,6 +652,8 @@ LAYOUT_FIELDS = (
     ("train", "parallel"),
     ("train", "gradient_checkpointing"),
     ("tracking", "report_every"),
+    ("storage", "pool"),
+    ("storage", "keep_pools"),
 )
 
 

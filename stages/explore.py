@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -35,14 +36,25 @@ def explore_precision(ctx: StageContext) -> tuple[str, list[str]]:
     ]
 
 
+def prompts_per_write(pool_size: int, batch_size: int) -> int:
+    """How many prompts explore samples, decodes and writes at a time: the fewest whose candidates fill whole
+    sampling batches (``batch_size / gcd(pool_size, batch_size)``), so the batches are exactly those of one
+    call over the whole pool (same numbers, to the last digit) while memory holds one such group of prompts
+    (one prompt's pool whenever the batch divides the pool size), not the iteration's."""
+    return batch_size // math.gcd(pool_size, batch_size)
+
+
 def explore(ctx: StageContext, out: Path, start: StartingPolicy | None, *, shard: Shard = WHOLE) -> StageOutput:
     """Draw ``pool_size`` seeds per prompt and sample each with the explore copy (``explore.precision``) of the
     rollout policy ``start`` (None: the base model).
 
     Writes a ``CandidatePool``: images uint8 ``[P, N, H, W, 3]``, seeds int64 ``[P, N]``, prompt_index int64
     ``[P]``; with ``regenerate.enabled=false`` (the baselines that train on the explore samples) also what the
-    loss needs (final latents; SDE trajectories and log-probs). Seeds derive from (run seed, iteration, prompt
-    position, candidate index). With ``shard``, only that shard's prompts (``P`` of them).
+    loss needs (final latents; SDE trajectories and log-probs), and with ``storage.pool=latents`` the final
+    latents float32 ``[P, N, C, h, w]`` (what the pool keeps once its checkpoint is committed,
+    ``solrl.storage.retention``). Seeds derive from (run seed, iteration, prompt position, candidate index).
+    With ``shard``, only that shard's prompts (``P`` of them). The pool is written as it is sampled,
+    ``prompts_per_write`` prompts at a time.
     """
     cfg = ctx.cfg.explore
     precision, warnings = explore_precision(ctx)
@@ -52,44 +64,49 @@ def explore(ctx: StageContext, out: Path, start: StartingPolicy | None, *, shard
     P, N = len(prompts), cfg.pool_size
     seeds = np.array([[ctx.seed("explore", p, n) for n in range(N)] for p in positions], dtype=np.int64)
     policy = ctx.load_policy(start)
-    flat_prompts = [prompts[p] for p in range(P) for _ in range(N)]
     policy.explore_sync_seconds = 0.0
     noise_level = ctx.cfg.sde_noise_level()
-    with sampling_network(
-        policy,
-        precision,
-        compile=cfg.compile,
-        mode=ctx.cfg.model.compile_mode,
-        min_dim=cfg.min_dim,
-        activation_scale=cfg.activation_scale,
-        keep_copy=cfg.keep_copy,
-    ) as (net, compiled):
-        traj = generate(
-            policy.model,
-            net,
-            flat_prompts,
-            seeds.reshape(-1).tolist(),
-            cfg.steps,
-            cfg.batch_size,
-            desc=f"explore {precision}",
-            noise_level=noise_level,
-            sde_window=ctx.cfg.regenerate.sde_window if cfg.steps == ctx.cfg.regenerate.steps else None,
-        )
-    images = policy.model.decode(traj.samples)  # [P*N, H, W, 3]
-    train_on_pool = {} if ctx.cfg.regenerate.enabled else trajectory_arrays(traj, (P, N), noise_level > 0)
-    CandidatePool(
-        images=images.reshape(P, N, *images.shape[1:]),
-        seeds=seeds,
-        prompt_index=prompt_index,
-        **train_on_pool,
-        attrs={
-            "prompts": prompts,
-            "precision": precision,
-            "steps": cfg.steps,
-            "policy_version": ctx.iteration - 1,
-            "sde_steps": traj.sde.tolist(),
-        },
-    ).write(out)
+    step = prompts_per_write(N, cfg.batch_size)
+    attrs = {"prompts": prompts, "precision": precision, "steps": cfg.steps, "policy_version": ctx.iteration - 1}
+    sde_steps: list[bool] = []
+    with (
+        sampling_network(
+            policy,
+            precision,
+            compile=cfg.compile,
+            mode=ctx.cfg.model.compile_mode,
+            min_dim=cfg.min_dim,
+            activation_scale=cfg.activation_scale,
+            keep_copy=cfg.keep_copy,
+        ) as (net, compiled),
+        CandidatePool.writer(out, P, attrs) as writer,
+    ):
+        writer.put(0, seeds=seeds, prompt_index=prompt_index)
+        for first in range(0, P, step):
+            last = min(first + step, P)
+            traj = generate(
+                policy.model,
+                net,
+                [prompts[p] for p in range(first, last) for _ in range(N)],
+                seeds[first:last].reshape(-1).tolist(),
+                cfg.steps,
+                cfg.batch_size,
+                desc=f"explore {precision}",
+                noise_level=noise_level,
+                sde_window=ctx.cfg.regenerate.sde_window if cfg.steps == ctx.cfg.regenerate.steps else None,
+            )
+            images = policy.model.decode(traj.samples)  # [n*N, H, W, 3]
+            groups = (last - first, N)
+            if not ctx.cfg.regenerate.enabled:  # the update trains on the pool itself
+                latents = trajectory_arrays(traj, groups, noise_level > 0)
+            elif ctx.cfg.storage.pool == "latents":  # what the pool keeps once its images are pruned
+                latents = {"latents": trajectory_arrays(traj, groups, False)["latents"]}
+            else:
+                latents = {}
+            writer.put(first, images=images.reshape(*groups, *images.shape[1:]), **latents)
+            sde_steps = traj.sde.tolist()
+            del traj, images, latents
+        writer.attrs["sde_steps"] = sde_steps
     # Seconds to build (first iteration in this process) or sync in place (later) the quantized copy.
     return StageOutput(
         metrics={

@@ -175,7 +175,7 @@ def run_shard(ctx: StageContext, name: str, shard: Shard) -> tuple[StageManifest
     """
     stage = STAGES[name]
     key = stage_key(ctx, stage)
-    committed = read_manifest(ctx.run_dir, ctx.iteration, name, verify=True)
+    committed = read_manifest(ctx.run_dir, ctx.iteration, name)
     if committed is not None and committed.inputs_hash == key:
         return committed, True
 
@@ -255,7 +255,7 @@ def run_stage(ctx: StageContext, name: str) -> tuple[StageManifest, bool]:
                 inputs = [a.load(ctx.run_dir, ctx.iteration) for a in stage.reads]
                 output = stage.reduce(ctx, out, folders, *inputs)
                 return replace_info(output, shards=len(folders), nodes=[m.node for m in committed])
-            artifact.concat([artifact.read(folder / artifact.filename) for folder in folders]).write(out)
+            artifact.write_concat(out, [artifact.read(folder / artifact.filename) for folder in folders])
             return merge_outputs(committed)
 
         seconds = sum(m.seconds for m in committed)
@@ -265,12 +265,13 @@ def run_stage(ctx: StageContext, name: str) -> tuple[StageManifest, bool]:
 
 
 def first_pending(ctx0: StageContext) -> tuple[int, str] | None:
-    """The first (iteration, stage) of the campaign plan whose committed output is missing, stale or fails its
-    checksums; None when the whole campaign is committed. ``ctx0`` is the run's context at iteration 0."""
+    """The first (iteration, stage) of the campaign plan whose committed output is missing, stale, or has a file
+    missing or of another size; None when the whole campaign is committed. ``ctx0`` is the run's context at
+    iteration 0. Reads manifests and file sizes only: checksums are re-hashed on demand (``solrl verify``)."""
     for iteration, names in campaign_plan(ctx0.cfg):
         ctx = replace(ctx0, iteration=iteration)
         for name in names:
-            manifest = read_manifest(ctx.run_dir, iteration, name, verify=True)
+            manifest = read_manifest(ctx.run_dir, iteration, name)
             if manifest is None or manifest.inputs_hash != stage_key(ctx, STAGES[name]):
                 return iteration, name
     return None

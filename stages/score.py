@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -27,14 +28,25 @@ def score_images(
     ``[B]``, each reward built with its ``reward.models`` options (once per process), those not kept loaded
     freed afterwards. Videos ``[B, F, H, W, 3]`` are scored through their frames (``score_videos``).
     RewardError on NaN."""
+    try:
+        return _score_loaded(ctx, images, prompts, names, metadata)
+    finally:
+        release_rewards(list(names))
+
+
+def _score_loaded(
+    ctx: StageContext,
+    images: np.ndarray,
+    prompts: list[str],
+    names: dict[str, float],
+    metadata: list[dict] | None = None,
+) -> dict[str, np.ndarray]:
+    """``score_images`` without freeing the rewards afterwards (a caller scoring a pool chunk by chunk)."""
     if images.ndim == 5:
         return score_videos(ctx, images, prompts, names, metadata)
     models = ctx.cfg.reward.models
     rewards = {name: (build_reward(name, ctx.device, models.get(name)), weight) for name, weight in names.items()}
-    try:
-        return score_all(rewards, images, prompts, metadata)
-    finally:
-        release_rewards(list(names))
+    return score_all(rewards, images, prompts, metadata)
 
 
 def score_videos(
@@ -50,7 +62,7 @@ def score_videos(
     HPS (frame mean). Returns name -> float32 ``[B]``."""
     frames = videos[:, :: ctx.cfg.reward.frame_stride]  # [B, F', H, W, 3]
     B, F = frames.shape[:2]
-    per_frame = score_images(
+    per_frame = _score_loaded(
         ctx,
         frames.reshape(B * F, *frames.shape[2:]),
         [p for p in prompts for _ in range(F)],
@@ -94,11 +106,58 @@ def rewards_table(
     return pd.concat(frames, ignore_index=True)
 
 
+def _reward_batches(ctx: StageContext, names: dict[str, float]) -> list[int]:
+    """The batch sizes the rewards ``names`` score in (``batch_size`` of their options; none for a reward
+    without one)."""
+    from solrl.stages.rewards.base import reward_options
+
+    sizes = []
+    for name in names:
+        size = getattr(reward_options(name, ctx.cfg.reward.models), "batch_size", None)
+        if isinstance(size, int) and size > 0:
+            sizes.append(size)
+    return sizes
+
+
+def prompts_per_read(images_per_prompt: int, batch_sizes: list[int]) -> int:
+    """How many prompts a pool is scored at a time: the fewest whose images fill whole batches of every reward
+    (so every reward sees exactly the batches of one call over the whole pool, the same numbers to the last
+    digit) while memory holds that many prompts' images, not the pool."""
+    step = 1
+    for size in batch_sizes:
+        need = size // math.gcd(images_per_prompt, size)
+        step = step * need // math.gcd(step, need)
+    return step
+
+
 def _score_pool(ctx: StageContext, pool: CandidatePool) -> dict[str, np.ndarray]:
+    """Rewards of every image of ``pool`` (its arrays may be lazy): name -> float32 ``[P * N]``, read and scored
+    ``prompts_per_read`` prompts at a time."""
     P, N = pool.seeds.shape
-    prompts = [pool.prompts[p] for p in range(P) for _ in range(N)]
-    images = pool.images.reshape(P * N, *pool.images.shape[2:])
-    return score_images(ctx, images, prompts, ctx.cfg.reward.weights, ctx.train_metadata(pool.prompt_index, N))
+    names = ctx.cfg.reward.weights
+    frames = 1
+    if pool.images.ndim == 6:  # videos: the reward sees every frame_stride-th frame of each
+        frames = len(range(0, pool.images.shape[2], ctx.cfg.reward.frame_stride))
+    step = min(P, prompts_per_read(N * frames, _reward_batches(ctx, names)))
+    metadata = ctx.train_metadata(pool.prompt_index, N)
+    parts: list[dict[str, np.ndarray]] = []
+    try:
+        for first in range(0, P, step):
+            last = min(first + step, P)
+            images = pool.images[first:last]
+            parts.append(
+                _score_loaded(
+                    ctx,
+                    images.reshape((last - first) * N, *images.shape[2:]),
+                    [pool.prompts[p] for p in range(first, last) for _ in range(N)],
+                    names,
+                    None if metadata is None else metadata[first * N : last * N],
+                )
+            )
+            del images
+    finally:
+        release_rewards(list(names))
+    return {name: np.concatenate([part[name] for part in parts]) for name in names}
 
 
 def _summary(prefix: str, total: np.ndarray) -> dict[str, float]:

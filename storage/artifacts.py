@@ -12,6 +12,7 @@ previous iteration's checkpoint (none at iteration 1: the base model), ``Trained
 
 from __future__ import annotations
 
+import json
 import warnings
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -25,7 +26,7 @@ import torch
 import zarr
 
 from solrl.storage.checkpoints import load_checkpoint, save_checkpoint
-from solrl.storage.stage import StageManifest, fault_point, read_manifest, require, stage_dir
+from solrl.storage.stage import StageManifest, fault_point, prune, read_manifest, require, stage_dir
 
 A = TypeVar("A", bound="Artifact")
 Z = TypeVar("Z", bound="ZarrArtifact")
@@ -40,6 +41,10 @@ class Artifact:
     offset: ClassVar[int] = 0
     #: The first iteration that has this artifact; earlier, a reader gets None (e.g. no checkpoint before 1).
     first_iteration: ClassVar[int] = 0
+    #: Whether ``load`` hashes the artifact's file against its manifest before reading it: the small tables (a
+    #: few kB, so a changed byte never reaches a ranking); pools, samples and checkpoints are checked by size,
+    #: their checksums re-hashed on demand (``solrl verify``).
+    verify_on_read: ClassVar[bool] = False
 
     @classmethod
     def source_iteration(cls, iteration: int) -> int | None:
@@ -60,15 +65,16 @@ class Artifact:
 
     @classmethod
     def load(cls: type[A], run_dir: Path, iteration: int) -> A | None:
-        """Read the artifact for a reader at ``iteration`` (checksums verified); None before ``first_iteration``.
+        """Read the artifact for a reader at ``iteration`` (sizes checked; its file hashed with
+        ``verify_on_read``); None before ``first_iteration``.
 
         Raises:
-            StageNotCommitted: its stage has no valid manifest.
+            StageNotCommitted: its stage has no valid manifest (or its file changed, with ``verify_on_read``).
         """
         source = cls.source_iteration(iteration)
         if source is None:
             return None
-        directory, _ = require(run_dir, source, cls.stage)
+        directory, _ = require(run_dir, source, cls.stage, verify=cls.filename if cls.verify_on_read else None)
         return cls.read(directory / cls.filename)
 
     @classmethod
@@ -83,16 +89,139 @@ class Artifact:
 # -- Zarr artifacts ---------------------------------------------------------------------------------------------
 
 
+#: Bytes a Zarr chunk aims at: a prompt's candidates are chunked together up to this size, so a reader that wants
+#: a few candidates (the kept seeds, a reward batch) reads little more than those, and a small pool keeps one
+#: chunk (file) per prompt.
+CHUNK_BYTES = 4 << 20
+
+
+def chunk_shape(shape: tuple[int, ...], itemsize: int, dims: tuple[str, ...]) -> tuple[int, ...]:
+    """The chunks of an array of a Zarr artifact: one prompt per chunk along the leading axis; along the second
+    axis (candidates, slots, samples) as many as fit in ``CHUNK_BYTES`` (at least one); a video array one video
+    per chunk. The chunk only depends on the array's shape, so the same data always gives the same files."""
+    if len(shape) < 2:
+        return tuple(shape)
+    if "frame" in dims or "latent_frame" in dims:  # a prompt's pool of 81-frame videos is gigabytes
+        return (1, 1, *shape[2:])
+    per_item = itemsize * int(np.prod(shape[2:], dtype=np.int64))
+    return (1, max(1, min(shape[1], CHUNK_BYTES // max(per_item, 1))), *shape[2:])
+
+
+class LazyArray:
+    """A Zarr array of a committed artifact, read only where it is indexed (issue 36): ``shape``, ``dtype`` and
+    ``ndim`` without reading; ``array[key]`` reads only the chunks ``key`` touches and returns numpy, for integer
+    and slice keys and for integer-array keys on the leading axes (numpy's broadcasting, e.g.
+    ``pool.images[rows, kept]`` with rows ``[P, 1]`` and kept ``[P, k]``); ``np.asarray(array)`` reads it whole."""
+
+    def __init__(self, array: zarr.Array) -> None:
+        self.array = array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.array.shape)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(self.array.dtype)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.array.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __iter__(self) -> Any:
+        return iter(np.asarray(self))
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        data = np.asarray(self.array[...])
+        return data if dtype is None else data.astype(dtype, copy=False)
+
+    def __getitem__(self, key: Any) -> np.ndarray:
+        keys = key if isinstance(key, tuple) else (key,)
+        arrays = [k for k in keys if isinstance(k, np.ndarray | list)]
+        if not arrays:
+            return np.asarray(self.array[key])
+        fancy = 0
+        while fancy < len(keys) and isinstance(keys[fancy], np.ndarray | list):
+            fancy += 1
+        rest = keys[fancy:]
+        if len(arrays) != fancy or any(not (isinstance(k, slice) and k == slice(None)) for k in rest):
+            return np.asarray(self)[key]  # a selection Zarr cannot take: read whole, index in numpy
+        coords = np.broadcast_arrays(*(np.asarray(k, dtype=np.int64) for k in keys[:fancy]))
+        shape = coords[0].shape
+        if coords[0].size == 0:
+            return np.empty((*shape, *self.shape[fancy:]), self.dtype)
+        flat = [np.where(c < 0, c + n, c).reshape(-1) for c, n in zip(coords, self.shape)]
+        out = np.empty((flat[0].size, *self.shape[fancy:]), self.dtype)
+        for first in np.unique(flat[0]):  # one leading index at a time: its chunks only
+            where = np.flatnonzero(flat[0] == first)
+            others = [np.unique(f[where], return_inverse=True) for f in flat[1:]]
+            block = np.asarray(self.array.get_orthogonal_selection((int(first), *(u for u, _ in others))))
+            out[where] = block[tuple(inverse for _, inverse in others)] if others else block
+        return out.reshape(*shape, *self.shape[fancy:])
+
+
 @dataclass
 class ZarrArtifact(Artifact):
-    """Arrays sharing a leading prompt axis, one Zarr group, chunked one prompt per chunk (so a shard of
-    prompts writes its own region; videos one video per chunk), every array with named dimensions (xarray opens
-    the store)."""
+    """Arrays sharing a leading prompt axis, one Zarr group, chunked one prompt per chunk along the leading axis
+    (so a shard of prompts writes its own region) and a few candidates along the second (``chunk_shape``), every
+    array with named dimensions (xarray opens the store).
+
+    ``read`` opens the group lazily: the arrays named in ``lazy`` (the images and latents: a pool at published
+    size is gigabytes) are ``LazyArray`` views that read only what is indexed, the others (seeds, indices) are
+    read whole; ``materialize`` reads everything. A stage that produces its arrays a few
+    prompts at a time writes them as it goes through ``writer`` (``ZarrWriter``)."""
 
     #: array name -> dimension names; arrays may be absent (None) unless listed in ``required``.
     dims: ClassVar[dict[str, tuple[str, ...]]]
     required: ClassVar[tuple[str, ...]]
+    #: The arrays ``read`` leaves in the store until indexed (``LazyArray``); the only ones ``prune`` removes.
+    lazy: ClassVar[tuple[str, ...]] = ("images", "latents", "trajectory")
     attrs: dict[str, Any] = field(default_factory=dict)
+    #: Arrays removed since the commit (``solrl.storage.retention``), name -> why; they read as None.
+    pruned: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def load(cls: type[A], run_dir: Path, iteration: int) -> A | None:
+        """``Artifact.load``, the arrays the stage's manifest records as pruned set to None (and named in
+        ``pruned``)."""
+        source = cls.source_iteration(iteration)
+        if source is None:
+            return None
+        directory, manifest = require(run_dir, source, cls.stage)
+        artifact = cls.read(directory / cls.filename)
+        for name in cls.dims:
+            why = manifest.pruned.get(f"{cls.filename}/{name}")
+            if why is not None:
+                setattr(artifact, name, None)
+                artifact.pruned[name] = why  # type: ignore[attr-defined]
+        return artifact
+
+    @classmethod
+    def array_folder(cls, name: str) -> str:
+        """Where array ``name`` lies among the stage's files (what ``prune`` removes)."""
+        return f"{cls.filename}/{name}"
+
+    @classmethod
+    def prune_arrays(cls, run_dir: Path, iteration: int, names: dict[str, str]) -> int:
+        """Remove arrays ``names`` (name -> why) of the committed artifact of ``iteration`` (``stage.prune``), and
+        the group's consolidated metadata's entries for them, so xarray and zarr-python see the arrays gone rather
+        than read them as their fill value. Returns the bytes removed."""
+
+        def without(raw: bytes) -> bytes:
+            meta = json.loads(raw)
+            for name in names:
+                meta.get("consolidated_metadata", {}).get("metadata", {}).pop(name, None)
+            return json.dumps(meta, indent=2).encode()
+
+        folders = {cls.array_folder(name): why for name, why in names.items()}
+        return prune(run_dir, iteration, cls.stage, folders, {f"{cls.filename}/zarr.json": without})
 
     def arrays(self) -> dict[str, np.ndarray]:
         return {
@@ -112,41 +241,39 @@ class ZarrArtifact(Artifact):
                 f"{type(self).__name__}: arrays disagree on the prompt axis: "
                 f"{ {k: v.shape for k, v in arrays.items()} }"
             )
-        group = zarr.open_group(str(out / self.filename), mode="w-")
-        for name, data in arrays.items():
-            data = np.ascontiguousarray(data)
-            dims = with_frames(self.dims[name], data.ndim)
-            if len(dims) != data.ndim:
-                raise ValueError(f"{type(self).__name__}.{name}: shape {data.shape} does not match dims {dims}")
-            chunks = (1, *data.shape[1:]) if data.ndim > 1 else data.shape
-            if "frame" in dims or "latent_frame" in dims:  # a prompt's pool of 81-frame videos is gigabytes
-                chunks = (1, 1, *data.shape[2:])  # one video per chunk
-            array = group.create_array(name, shape=data.shape, dtype=data.dtype, chunks=chunks, dimension_names=dims)
-            array[...] = data
-            fault_point("write")  # test-only: a kill between two arrays of one store
-        group.attrs.update(self.attrs)
-        with warnings.catch_warnings():  # zarr notes that v3 consolidation is an extension; xarray reads it
-            warnings.filterwarnings("ignore", message="Consolidated metadata is currently not part")
-            zarr.consolidate_metadata(str(out / self.filename))
+        with self.writer(out, lead.pop(), self.attrs) as writer:
+            writer.put(0, **arrays)
+
+    @classmethod
+    def writer(cls, out: Path, prompts: int, attrs: dict[str, Any]) -> ZarrWriter:
+        """A writer of this artifact into the stage's (temporary) folder ``out`` for ``prompts`` prompts, filled
+        region by region (``ZarrWriter.put``)."""
+        return ZarrWriter(cls, out / cls.filename, prompts, attrs)
 
     @classmethod
     def read(cls: type[A], path: Path) -> A:
         group = zarr.open_group(str(path), mode="r")
-        arrays = {name: np.asarray(array[...]) for name, array in group.arrays()}
+        arrays = {
+            name: LazyArray(array) if name in cls.lazy else np.asarray(array[...]) for name, array in group.arrays()
+        }
         return cls(attrs=dict(group.attrs), **{name: arrays.get(name) for name in cls.dims})  # type: ignore[call-arg]
+
+    def materialize(self: Z) -> Z:
+        """The same artifact with every array read whole into memory (numpy)."""
+        return type(self)(attrs=dict(self.attrs), **{n: np.asarray(a) for n, a in self.arrays().items()})
 
     @property
     def prompts(self) -> list[str]:
         return list(self.attrs["prompts"])
 
     def take(self: Z, positions: range) -> Z:
-        """The same artifact for the prompts at ``positions`` only (every array's leading axis; attrs
-        ``prompts`` likewise): one shard's view of a stage's input."""
+        """The same artifact for the prompts at ``positions`` only (every array's leading axis, read from the
+        store for those prompts alone; attrs ``prompts`` likewise): one shard's view of a stage's input."""
         index = list(positions)
         attrs = dict(self.attrs)
         if "prompts" in attrs:
             attrs["prompts"] = [self.prompts[i] for i in index]
-        return type(self)(attrs=attrs, **{name: array[index] for name, array in self.arrays().items()})
+        return type(self)(attrs=attrs, **{name: array[np.asarray(index)] for name, array in self.arrays().items()})
 
     @classmethod
     def concat(cls: type[Z], parts: list[Z]) -> Z:
@@ -161,11 +288,110 @@ class ZarrArtifact(Artifact):
         names = [sorted(part.arrays()) for part in parts]
         if any(n != names[0] for n in names):
             raise ValueError(f"{cls.__name__}.concat: the parts hold different arrays: {names}")
-        arrays = {name: np.concatenate([part.arrays()[name] for part in parts]) for name in names[0]}
+        arrays = {name: np.concatenate([np.asarray(part.arrays()[name]) for part in parts]) for name in names[0]}
         attrs = dict(parts[0].attrs)
         if "prompts" in attrs:
             attrs["prompts"] = [p for part in parts for p in part.prompts]
         return cls(attrs=attrs, **arrays)  # type: ignore[call-arg]
+
+    @classmethod
+    def write_concat(cls, out: Path, parts: list[ZarrArtifact]) -> None:
+        """Write the concatenation of shards' artifacts (``concat``) a shard at a time: each part's arrays are
+        read once and written into its region, never all in memory at once.
+
+        Raises:
+            ValueError: no parts, or parts that do not hold the same arrays.
+        """
+        if not parts:
+            raise ValueError(f"{cls.__name__}.write_concat: no parts")
+        names = [sorted(part.arrays()) for part in parts]
+        if any(n != names[0] for n in names):
+            raise ValueError(f"{cls.__name__}.write_concat: the parts hold different arrays: {names}")
+        attrs = dict(parts[0].attrs)
+        if "prompts" in attrs:
+            attrs["prompts"] = [p for part in parts for p in part.prompts]
+        total = sum(len(part.prompts) for part in parts)
+        with cls.writer(out, total, attrs) as writer:
+            start = 0
+            for part in parts:
+                count = len(part.prompts)
+                for begin in range(0, count):  # a prompt at a time: one prompt's pool in memory
+                    writer.put(start + begin, **{n: a[begin : begin + 1] for n, a in part.arrays().items()})
+                start += count
+
+
+class ZarrWriter:
+    """Writes a ``ZarrArtifact`` region by region: ``put(start, **arrays)`` writes prompts ``start ..
+    start + len`` of each named array, creating an array (chunks ``chunk_shape``) at its first region, from that
+    region's dtype and per-prompt shape. ``close`` (or leaving the ``with`` block without an error) checks that
+    every required array was written whole, writes the attrs and consolidates the metadata. Used as a context
+    manager."""
+
+    def __init__(self, artifact: type[ZarrArtifact], path: Path, prompts: int, attrs: dict[str, Any]) -> None:
+        self.artifact, self.path, self.prompts, self.attrs = artifact, path, prompts, attrs
+        self.group = zarr.open_group(str(path), mode="w-")
+        self.written: dict[str, int] = {}
+
+    def __enter__(self) -> ZarrWriter:
+        return self
+
+    def __exit__(self, kind: object, error: object, trace: object) -> None:
+        if kind is None:
+            self.close()
+
+    def put(self, start: int, **arrays: np.ndarray | None) -> None:
+        """Write ``arrays`` (each ``[n, ...]``, the same ``n``) at prompts ``start .. start + n``.
+
+        Raises:
+            ValueError: an unknown array name, a shape that disagrees with the dimension names or with the
+                array's earlier regions, or a region outside the prompt axis.
+        """
+        name_of = type(self.artifact).__name__ if not isinstance(self.artifact, type) else self.artifact.__name__
+        for name, data in arrays.items():
+            if data is None:
+                continue
+            if name not in self.artifact.dims:
+                raise ValueError(f"{name_of}: no array {name!r} (arrays: {list(self.artifact.dims)})")
+            data = np.ascontiguousarray(data)
+            dims = with_frames(self.artifact.dims[name], data.ndim)
+            if len(dims) != data.ndim:
+                raise ValueError(f"{name_of}.{name}: shape {data.shape} does not match dims {dims}")
+            if start < 0 or start + data.shape[0] > self.prompts:
+                raise ValueError(f"{name_of}.{name}: prompts {start}..{start + data.shape[0]} of {self.prompts}")
+            shape = (self.prompts, *data.shape[1:])
+            if name not in self.written:
+                self.group.create_array(
+                    name,
+                    shape=shape,
+                    dtype=data.dtype,
+                    chunks=chunk_shape(shape, data.dtype.itemsize, dims),
+                    dimension_names=dims,
+                )
+                self.written[name] = 0
+            array = self.group[name]
+            if tuple(array.shape) != shape or array.dtype != data.dtype:
+                raise ValueError(
+                    f"{name_of}.{name}: {data.dtype} {data.shape} does not fit {array.dtype} {array.shape}"
+                )
+            array[start : start + data.shape[0]] = data
+            self.written[name] += data.shape[0]
+            fault_point("write")  # test-only: a kill between two writes of one store
+
+    def close(self) -> None:
+        """Finish the store: every required array written whole, the attrs, the consolidated metadata.
+
+        Raises:
+            ValueError: a required array missing or not written over every prompt.
+        """
+        name_of = self.artifact.__name__
+        short = {n: w for n, w in self.written.items() if w < self.prompts}
+        missing = [n for n in self.artifact.required if n not in self.written]
+        if missing or short:
+            raise ValueError(f"{name_of}: required arrays missing: {missing}; written short (prompts): {short}")
+        self.group.attrs.update(self.attrs)
+        with warnings.catch_warnings():  # zarr notes that v3 consolidation is an extension; xarray reads it
+            warnings.filterwarnings("ignore", message="Consolidated metadata is currently not part")
+            zarr.consolidate_metadata(str(self.path))
 
 
 _IMAGE = ("y", "x", "rgb")
@@ -262,6 +488,7 @@ class TableArtifact(Artifact):
     """One Parquet table (plain Arrow: pandas, polars, DuckDB read it) with at least ``columns``."""
 
     columns: ClassVar[tuple[str, ...]]
+    verify_on_read: ClassVar[bool] = True
     frame: pd.DataFrame
 
     def __post_init__(self) -> None:
@@ -426,7 +653,7 @@ class RewardStats(TableArtifact):
         source = cls.source_iteration(iteration)
         if source is None:
             return None
-        directory, _ = require(run_dir, source, cls.stage)
+        directory, _ = require(run_dir, source, cls.stage, verify=cls.filename)
         return cls.read(directory / cls.filename) if (directory / cls.filename).exists() else None
 
     def history(self) -> dict[str, np.ndarray]:

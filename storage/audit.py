@@ -2,15 +2,16 @@
 reward distribution per prompt, the kept seeds with their explore and BF16 rewards, the proxy-fidelity figures
 and the stage timings (``solrl inspect``, ``solrl show``).
 
-Nothing here trusts a folder without a valid manifest: a stage is ``committed`` (manifest and checksums hold),
-``corrupted`` (a manifest is there but unreadable, or a file fails its size or sha256), ``incomplete`` (a
-folder or temporary folder without a manifest: a process died while writing it) or ``missing``. Only committed
-stages are read.
+Nothing here trusts a folder without a valid manifest: a stage is ``committed`` (manifest and sizes hold; for
+the stages whose tables are read here, checksums too), ``corrupted`` (a manifest is there but unreadable, or a
+file fails its size or sha256), ``incomplete`` (a folder or temporary folder without a manifest: a process died
+while writing it) or ``missing``. Only committed stages are read. The pools and samples are not hashed here
+(``solrl verify`` re-hashes a whole run on demand).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -31,9 +32,16 @@ from solrl.storage.stage import MANIFEST, StageManifest, iteration_dir, read_man
 StageState = Literal["committed", "corrupted", "incomplete", "missing"]
 
 
-def stage_state(run_dir: Path, iteration: int, stage: str) -> tuple[StageState, StageManifest | None]:
-    """The state of one stage (module doc) and its manifest when committed; checksums are verified."""
-    manifest = read_manifest(run_dir, iteration, stage, verify=True)
+#: The stages whose Parquet tables ``audit_iteration`` reads: small, and hashed before they are read.
+READ_TABLES = ("score_explore", "select", "score_regenerate", "audit")
+
+
+def stage_state(
+    run_dir: Path, iteration: int, stage: str, *, verify: bool = False
+) -> tuple[StageState, StageManifest | None]:
+    """The state of one stage (module doc) and its manifest when committed; sizes are checked, and with
+    ``verify`` checksums too."""
+    manifest = read_manifest(run_dir, iteration, stage, verify=verify)
     if manifest is not None:
         return "committed", manifest
     directory = stage_dir(run_dir, iteration, stage)
@@ -118,7 +126,7 @@ def audit_iteration(run_dir: Path, iteration: int, due: Sequence[str]) -> Iterat
     states: dict[str, StageState] = {}
     manifests: dict[str, StageManifest] = {}
     for stage in due:
-        states[stage], manifest = stage_state(run_dir, iteration, stage)
+        states[stage], manifest = stage_state(run_dir, iteration, stage, verify=stage in READ_TABLES)
         if manifest is not None:
             manifests[stage] = manifest
     found = IterationAudit(iteration, states, manifests)
@@ -148,15 +156,32 @@ class PoolView:
     kept_as: list[str | None]  # "best" / "worst" for the kept seeds, else None
 
 
-def pool_view(run_dir: Path, iteration: int, prompt: str) -> PoolView:
+class PoolPruned(LookupError):
+    """The pool's images (and latents) were removed by ``storage.pool`` / ``storage.keep_pools``; the message
+    says so in one line and what still shows the iteration."""
+
+
+def pool_view(
+    run_dir: Path, iteration: int, prompt: str, decode: Callable[[np.ndarray], np.ndarray] | None = None
+) -> PoolView:
     """The pool of the prompt named by ``prompt``: its group index in the iteration, its exact text, or a
-    substring of exactly one prompt's text.
+    substring of exactly one prompt's text. A pool kept as latents (``storage.pool=latents``) is drawn from its
+    latents through ``decode`` (float32 ``[n, C, h, w]`` -> uint8 ``[n, H, W, 3]``, the run's model).
 
     Raises:
         StageNotCommitted: explore or score_explore of ``iteration`` is not committed (or fails verification).
+        PoolPruned: the pool's images are gone (and its latents, or no ``decode`` was given).
         LookupError: ``prompt`` names no prompt of the iteration, or several.
     """
     pool = CandidatePool.load(run_dir, iteration)
+    if pool.images is None and (pool.latents is None or decode is None):
+        why = pool.pruned.get("latents") or pool.pruned.get("images", "pruning")
+        raise PoolPruned(
+            f"iteration {iteration}'s candidate pool was pruned by {why}: no images"
+            + ("" if pool.latents is None else " (its latents remain: decode them with the run's model)")
+            + "; its rewards, ranks and kept seeds remain (`solrl inspect --iteration "
+            + f"{iteration}`), and regenerating a seed with its checkpoint redraws it"
+        )
     totals = candidate_totals(ExploreRewards.load(run_dir, iteration))
     prompts = pool.prompts
     if prompt.isdigit() and int(prompt) < len(prompts):
@@ -177,10 +202,15 @@ def pool_view(run_dir: Path, iteration: int, prompt: str) -> PoolView:
         chosen = Selection.load(run_dir, iteration).frame
         chosen = chosen[chosen["group"] == group]
         kept = dict(zip(chosen["candidate_index"].astype(int), chosen["kept_as"].astype(str)))
+    if pool.images is not None:
+        images = pool.images[group][index]
+    else:
+        assert pool.latents is not None and decode is not None
+        images = decode(pool.latents[group][index])
     return PoolView(
         prompt=prompts[group],
         group=group,
-        images=pool.images[group][index],
+        images=images,
         rewards=rows["reward"].to_numpy(np.float64),
         seeds=pool.seeds[group][index],
         candidates=index,

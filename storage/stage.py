@@ -103,6 +103,22 @@ class StageManifest(BaseModel):
     prefix: str = ""
     #: The machine that computed the stage (``current_node``); "" for runs made before it was recorded.
     node: str = ""
+    #: Folders of ``files`` removed since the commit (``prune``: what a pool keeps, ``storage.keep_pools``): their
+    #: entries stay in ``files`` as the record of what was there (and in ``digest``), but readers neither expect
+    #: nor read them. Folder -> why, e.g. ``{"candidates.zarr/images": "storage.pool=latents"}``.
+    pruned: dict[str, str] = {}
+    #: Files of ``files`` that ``prune`` rewrote (a Zarr group's metadata, so it no longer lists a pruned array):
+    #: their entries now; ``files`` keeps the committed ones.
+    rewritten: dict[str, FileEntry] = {}
+
+    def is_pruned(self, rel: str) -> bool:
+        """Whether file ``rel`` of ``files`` lies in a pruned folder."""
+        return any(rel == folder or rel.startswith(f"{folder}/") for folder in self.pruned)
+
+    def present(self) -> dict[str, FileEntry]:
+        """What the stage's folder holds now: the entries of ``files`` not pruned, as ``rewritten`` where
+        rewritten."""
+        return {rel: self.rewritten.get(rel, e) for rel, e in self.files.items() if not self.is_pruned(rel)}
 
     def digest(self) -> str:
         """sha256 over the inputs hash and every file checksum: what downstream stages hash as their input."""
@@ -201,17 +217,25 @@ def write_json_atomic(path: Path, data: Any) -> None:
     fsync_dir(path.parent)
 
 
-def read_manifest(run_dir: Path, iteration: int, stage: str, *, verify: bool = False) -> StageManifest | None:
+def read_manifest(
+    run_dir: Path, iteration: int, stage: str, *, verify: bool = False, fetch: bool = False
+) -> StageManifest | None:
     """The stage's manifest if the stage is committed, else None.
 
     Committed means: ``_MANIFEST.json`` parses, names this stage and iteration, and every file it lists exists
-    in the folder it names, with its recorded size (and sha256, with ``verify=True``). For a run of an object
-    store (``solrl.storage.mirror``) the manifest is read from the store every time, sizes are checked against
-    one listing of its attempt's prefix, and ``verify`` first fetches into the mirror what it lacks.
+    in the folder it names, with its recorded size, and, with ``verify=True``, its recorded sha256. A file's
+    sha256 is computed once, when its stage commits it (``commit``); readers check sizes, and the bytes are
+    hashed again only where they arrive from elsewhere (a mirror's download) or on demand (``verify=True``,
+    ``verify_run``, ``solrl verify``).
+
+    For a run of an object store (``solrl.storage.mirror``) the manifest is read from the store every time and
+    sizes are checked against one listing of its attempt's prefix; ``fetch=True`` also downloads into the mirror
+    what it lacks (or holds at another size), each download checked against its sha256; ``verify=True`` hashes
+    every mirrored file as well and fetches again those that differ.
     """
     directory = stage_dir(run_dir, iteration, stage)
     if (on_store := remote(run_dir)) is not None:
-        return _read_remote_manifest(*on_store, run_dir, iteration, stage, verify)
+        return _read_remote_manifest(*on_store, run_dir, iteration, stage, verify, fetch)
     try:
         manifest = StageManifest.model_validate_json((directory / MANIFEST).read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -221,7 +245,7 @@ def read_manifest(run_dir: Path, iteration: int, stage: str, *, verify: bool = F
     if "/" in manifest.prefix or manifest.prefix.startswith("."):
         return None  # a prefix that leaves the stage's folder is not one this module wrote
     folder = directory / manifest.prefix
-    for rel, entry in manifest.files.items():
+    for rel, entry in manifest.present().items():
         path = folder / rel
         try:
             if path.stat().st_size != entry.size or (verify and _sha256(path) != entry.sha256):
@@ -252,7 +276,7 @@ def _stage_key(run_key: str, run_dir: Path, directory: Path) -> str:
 
 
 def _read_remote_manifest(
-    store: Store, run_key: str, run_dir: Path, iteration: int, stage: str, verify: bool
+    store: Store, run_key: str, run_dir: Path, iteration: int, stage: str, verify: bool, fetch: bool
 ) -> StageManifest | None:
     """``read_manifest`` for a mirrored run: the store's manifest, its mirror copy refreshed."""
     directory = stage_dir(run_dir, iteration, stage)
@@ -274,14 +298,14 @@ def _read_remote_manifest(
     if manifest.stage != stage or manifest.iteration != iteration or not _ATTEMPT.match(manifest.prefix):
         return None
     attempt = f"{key}/{manifest.prefix}"
-    if not verify:
+    if not (verify or fetch):
         sizes = store.sizes(attempt)
-        return manifest if all(sizes.get(rel) == entry.size for rel, entry in manifest.files.items()) else None
+        return manifest if all(sizes.get(rel) == entry.size for rel, entry in manifest.present().items()) else None
     folder = directory / manifest.prefix
-    for rel, entry in manifest.files.items():
+    for rel, entry in manifest.present().items():
         path = folder / rel
-        if path.is_file() and path.stat().st_size == entry.size and _sha256(path) == entry.sha256:
-            continue  # fetched or written here before, and intact
+        if path.is_file() and path.stat().st_size == entry.size and (not verify or _sha256(path) == entry.sha256):
+            continue  # written here (hashed at its commit) or fetched here (hashed on arrival) before
         try:
             store.get_file(f"{attempt}/{rel}", path)
         except FileNotFoundError:
@@ -292,8 +316,8 @@ def _read_remote_manifest(
 
 
 def output_dir(run_dir: Path, iteration: int, stage: str) -> Path:
-    """The folder holding the files of the stage's committed attempt, as its manifest names it (no checksum
-    verified: ``require`` verifies).
+    """The folder holding the files of the stage's committed attempt, as its manifest names it (sizes checked;
+    nothing fetched into a mirror: ``require`` fetches).
 
     Raises:
         StageNotCommitted: the stage has no valid manifest.
@@ -304,17 +328,29 @@ def output_dir(run_dir: Path, iteration: int, stage: str) -> Path:
     return stage_dir(run_dir, iteration, stage) / manifest.prefix
 
 
-def require(run_dir: Path, iteration: int, stage: str) -> tuple[Path, StageManifest]:
-    """The output folder and manifest of a committed stage, for reading its outputs (checksums verified).
+def require(run_dir: Path, iteration: int, stage: str, *, verify: str | None = None) -> tuple[Path, StageManifest]:
+    """The output folder and manifest of a committed stage, for reading its outputs: sizes checked against the
+    manifest (checksums were computed when the stage committed them; ``verify_run`` re-hashes on demand), and
+    for a mirrored run the files this machine lacks fetched, each download checked against its sha256.
+    ``verify``: a file or folder of the stage whose files are hashed as well (a small table about to be read).
 
     Raises:
-        StageNotCommitted: the stage has no valid manifest, or a file no longer matches its checksum; its
+        StageNotCommitted: the stage has no valid manifest, or a file is missing or of another size (or, once
+            fetched from an object store, fails its checksum), or a ``verify`` file fails its checksum; its
             folder must not be read.
     """
-    manifest = read_manifest(run_dir, iteration, stage, verify=True)
+    manifest = read_manifest(run_dir, iteration, stage, fetch=True)
     if manifest is None:
         raise StageNotCommitted(f"iteration {iteration} stage {stage!r} has no valid manifest in {run_dir}")
-    return stage_dir(run_dir, iteration, stage) / manifest.prefix, manifest
+    folder = stage_dir(run_dir, iteration, stage) / manifest.prefix
+    if verify is not None:
+        for rel, entry in manifest.present().items():
+            if (rel == verify or rel.startswith(f"{verify}/")) and _sha256(folder / rel) != entry.sha256:
+                raise StageNotCommitted(
+                    f"iteration {iteration} stage {stage!r}: {rel} changed since it was committed (sha256); "
+                    f"`solrl verify --redo` uncommits the stage"
+                )
+    return folder, manifest
 
 
 def remove_dir(path: Path) -> None:
@@ -457,7 +493,173 @@ def run_or_skip(
     Returns:
         (manifest, skipped): skipped is True when the committed output was reused.
     """
-    existing = read_manifest(run_dir, iteration, stage, verify=True)  # a corrupted output is redone
+    existing = read_manifest(run_dir, iteration, stage)  # a missing or truncated output is redone
     if existing is not None and existing.inputs_hash == key:
         return existing, True
     return commit(run_dir, run_id, iteration, stage, key, write, prior_seconds), False
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """A committed file whose bytes no longer match its manifest (``verify_run``)."""
+
+    iteration: int
+    stage: str
+    file: str
+    #: ``missing``, ``size`` (another size than recorded) or ``sha256`` (same size, other bytes).
+    problem: str
+
+
+def committed_stages(run_dir: Path) -> list[tuple[int, str]]:
+    """Every (iteration, stage) folder of the run holding a manifest, in iteration then name order (a mirrored
+    run: as the object store lists them)."""
+    if (on_store := remote(run_dir)) is not None:
+        store, run_key = on_store
+        found = []
+        for name in sorted(store.ls(run_key)):
+            if re.fullmatch(r"iter_\d{6}", name):
+                found += [
+                    (int(name[5:]), stage)
+                    for stage in sorted(store.ls(f"{run_key}/{name}"))
+                    if store.exists(f"{run_key}/{name}/{stage}/{MANIFEST}")
+                ]
+        return found
+    return [
+        (int(path.parent.parent.name[5:]), path.parent.name)
+        for path in sorted(Path(run_dir).glob(f"iter_[0-9][0-9][0-9][0-9][0-9][0-9]/*/{MANIFEST}"))
+    ]
+
+
+def verify_run(run_dir: Path, on_file: Callable[[int, str, str], None] | None = None) -> list[Mismatch]:
+    """Re-hash every file of every committed stage of a run against its manifest (``solrl verify``): the one
+    full read of a run's bytes, on demand. A mirrored run's files are hashed as the object store holds them
+    (streamed, not kept). ``on_file(iteration, stage, file)`` is called before each file (progress).
+
+    Returns:
+        the files that differ, in run order; a stage whose manifest is unreadable gives one ``Mismatch`` with
+        file ``_MANIFEST.json`` and problem ``unreadable``.
+    """
+    on_store = remote(run_dir)
+    found: list[Mismatch] = []
+    for iteration, stage in committed_stages(run_dir):
+        directory = stage_dir(run_dir, iteration, stage)
+        try:
+            if on_store is not None:
+                store, run_key = on_store
+                key = _stage_key(run_key, run_dir, directory)
+                raw = store.read_bytes(f"{key}/{MANIFEST}").decode("utf-8")
+            else:
+                raw = (directory / MANIFEST).read_text(encoding="utf-8")
+            manifest = StageManifest.model_validate_json(raw)
+        except (OSError, ValueError):
+            found.append(Mismatch(iteration, stage, MANIFEST, "unreadable"))
+            continue
+        for rel, entry in manifest.present().items():
+            if on_file is not None:
+                on_file(iteration, stage, rel)
+            try:
+                if on_store is not None:
+                    size, digest = _store_sha256(on_store[0], f"{key}/{manifest.prefix}/{rel}")
+                else:
+                    path = directory / manifest.prefix / rel
+                    size, digest = path.stat().st_size, _sha256(path)
+            except FileNotFoundError:
+                found.append(Mismatch(iteration, stage, rel, "missing"))
+                continue
+            if size != entry.size:
+                found.append(Mismatch(iteration, stage, rel, "size"))
+            elif digest != entry.sha256:
+                found.append(Mismatch(iteration, stage, rel, "sha256"))
+    return found
+
+
+def _store_sha256(store: Store, key: str) -> tuple[int, str]:
+    h, size = hashlib.sha256(), 0
+    with store.fs.open(store.path(key), "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+            size += len(chunk)
+    return size, h.hexdigest()
+
+
+def uncommit(run_dir: Path, iteration: int, stage: str) -> None:
+    """Remove a stage's manifest, so the stage no longer exists and the next resume redoes it (``solrl verify
+    --redo``); its files stay until that commit replaces the folder."""
+    directory = stage_dir(run_dir, iteration, stage)
+    if (on_store := remote(run_dir)) is not None:
+        on_store[0].delete(f"{_stage_key(on_store[1], run_dir, directory)}/{MANIFEST}")
+    (directory / MANIFEST).unlink(missing_ok=True)
+
+
+def prune(
+    run_dir: Path,
+    iteration: int,
+    stage: str,
+    folders: dict[str, str],
+    rewrite: dict[str, Callable[[bytes], bytes]] | None = None,
+) -> int:
+    """Remove folders of a committed stage's files (what a pool keeps, ``storage.keep_pools``) and record them in
+    its manifest's ``pruned``, keeping every file's entry: the manifest still says what was there, its digest
+    (and so every downstream cache key) is unchanged, and readers no longer expect the files. ``rewrite`` edits
+    files that describe the removed ones (a Zarr group's consolidated metadata), recorded in ``rewritten``.
+    Order: the rewritten files, the manifest, then the removals; a crash between the first two leaves a file of
+    another size than its manifest says (the stage is redone on resume, never read wrong), and after the
+    manifest only files no reader expects. Folders already pruned, or not in the stage, are skipped.
+
+    Args:
+        folders: folder relative to the stage's files (``candidates.zarr/images``) -> why it was removed.
+        rewrite: file relative to the stage's files -> its new bytes from its current ones.
+
+    Returns:
+        the bytes removed (from the manifest's sizes).
+
+    Raises:
+        StageNotCommitted: the stage has no valid manifest.
+    """
+    manifest = read_manifest(run_dir, iteration, stage)
+    if manifest is None:
+        raise StageNotCommitted(f"iteration {iteration} stage {stage!r} has no valid manifest in {run_dir}")
+    new = {
+        folder: why
+        for folder, why in folders.items()
+        if folder not in manifest.pruned
+        and any(rel.startswith(f"{folder}/") or rel == folder for rel in manifest.files)
+    }
+    if not new:
+        return 0
+    before = sum(e.size for e in manifest.present().values())
+    directory = stage_dir(run_dir, iteration, stage)
+    folder = directory / manifest.prefix
+    on_store = remote(run_dir)
+    attempt = "" if on_store is None else f"{_stage_key(on_store[1], run_dir, directory)}/{manifest.prefix}"
+    rewritten = dict(manifest.rewritten)
+    for rel, edit in (rewrite or {}).items():
+        if on_store is not None:
+            data = edit(on_store[0].read_bytes(f"{attempt}/{rel}"))
+            on_store[0].write_bytes(f"{attempt}/{rel}", data)
+            (folder / rel).unlink(missing_ok=True)  # fetched again, at its new size, by the next reader
+        else:
+            data = edit((folder / rel).read_bytes())
+            tmp = (folder / rel).with_name(f".{Path(rel).name}.tmp-{uuid.uuid4().hex[:8]}")
+            tmp.write_bytes(data)
+            os.replace(tmp, folder / rel)
+        rewritten[rel] = FileEntry(size=len(data), sha256=hashlib.sha256(data).hexdigest())
+    updated = manifest.model_copy(update={"pruned": {**manifest.pruned, **new}, "rewritten": rewritten})
+    data = updated.model_dump(mode="json")
+    if on_store is not None:
+        store = on_store[0]
+        store.write_bytes(
+            f"{attempt.rsplit('/', 1)[0]}/{MANIFEST}", json.dumps(data, indent=2, sort_keys=True).encode() + b"\n"
+        )
+        for name in new:
+            store.delete(f"{attempt}/{name}")
+        (directory / MANIFEST).unlink(missing_ok=True)  # refreshed from the store at the next read
+    else:
+        write_json_atomic(directory / MANIFEST, data)
+    for name in new:
+        path = folder / name
+        if path.is_dir():
+            remove_dir(path)
+        elif path.exists():
+            path.unlink()
+    return before - sum(e.size for e in updated.present().values())

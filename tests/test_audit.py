@@ -135,7 +135,7 @@ def test_a_corrupted_parquet_file_or_manifest_is_reported_not_read(finished: Pat
     result = inspect(store, "--iteration", "1")
     assert result.exit_code == 2
     assert "score_explore, select fail verification" in result.stderr
-    assert "recomputes them" in result.stderr
+    assert "--redo` uncommits every stage whose files changed" in result.stderr
     assert "candidate pool: weighted reward per prompt: not available (score_explore corrupted)" in result.output
     shown = runner.invoke(app, ["show", "done", "--store", str(store), "--iteration", "1", "--prompt", "0"])
     assert shown.exit_code == 2 and "no verified candidate pool" in shown.stderr

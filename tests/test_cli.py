@@ -136,7 +136,9 @@ def test_resume_of_a_run_another_process_holds_is_refused_before_anything_starts
     assert "resuming" not in result.stdout
 
 
-def test_a_committed_file_changed_in_place_is_pending_again(tmp_path: Path):
+def test_a_committed_file_changed_in_place_is_found_by_verify_and_pending_again_after_redo(tmp_path: Path):
+    """Resume reads manifests and sizes (issue 36): a file truncated is pending again at once; a byte flipped in
+    place is found by ``solrl verify``, and ``--redo`` makes it pending."""
     from solrl.stages.context import StageContext
     from solrl.stages.pipeline import first_pending
     from solrl.storage.stage import stage_dir
@@ -148,6 +150,12 @@ def test_a_committed_file_changed_in_place_is_pending_again(tmp_path: Path):
     from conftest import flip_middle_byte
 
     flip_middle_byte(table)  # same size, different bytes
+    assert first_pending(ctx0) == (1, "explore")
+    store = str(run.run_dir.parent)
+    found = runner.invoke(app, ["verify", "r", "--store", store, "--redo"])
+    assert found.exit_code == 1 and "iteration 0 evaluate: metrics.parquet: sha256" in found.output
+    assert first_pending(ctx0) == (0, "evaluate")
+    table.write_bytes(table.read_bytes()[:-1])  # a truncated file: the size tells, no verify needed
     assert first_pending(ctx0) == (0, "evaluate")
 
 

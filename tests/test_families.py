@@ -96,7 +96,7 @@ def test_the_exported_lora_loads_into_the_stock_pipeline_and_samples_as_the_poli
 def test_two_iteration_campaign_through_the_prefect_flow_with_nvfp4_explore(tmp_path: Path, family: str):
     from solrl.flows.sol_rl import campaign
     from solrl.stages.pipeline import campaign_plan
-    from solrl.storage.artifacts import CandidatePool, Checkpoint
+    from solrl.storage.artifacts import CandidatePool, Checkpoint, Samples
     from solrl.storage.runs import create_run
     from solrl.storage.stage import read_manifest, stage_dir
 
@@ -107,10 +107,12 @@ def test_two_iteration_campaign_through_the_prefect_flow_with_nvfp4_explore(tmp_
     for iteration, stages in campaign_plan(cfg):
         for stage in stages:
             assert read_manifest(run.run_dir, iteration, stage) is not None, (iteration, stage)
-    pool = CandidatePool.load(run.run_dir, 2)
+    pool, samples = CandidatePool.load(run.run_dir, 2), Samples.load(run.run_dir, 2)
     family_cls = model_family(cfg.model)
     frames = (cfg.model.num_frames or family_cls.default_num_frames,) if family_cls.video else ()
-    assert pool.images.shape == (2, 8, *frames, 32, 32, 3) and pool.attrs["precision"] == "nvfp4_emulated"
+    assert samples.images.shape == (2, 4, *frames, 32, 32, 3) and pool.attrs["precision"] == "nvfp4_emulated"
+    # Its checkpoint committed, the pool keeps every candidate's latents, not its images (storage.pool=latents).
+    assert pool.images is None and pool.latents.shape == (2, 8, *samples.latents.shape[2:])
     checkpoint = Checkpoint.load(run.run_dir, 2)
     assert checkpoint.state["model_family"] == family and checkpoint.state["global_step"] == 2
     transformer = getattr(diffusers, checkpoint.state["architecture"]["transformer"]["_class_name"])

@@ -39,7 +39,10 @@ def test_shards_split_the_prompts_into_contiguous_non_empty_blocks_in_order(coun
 
 def campaign(store: str, shards: int, fault: str | None = None) -> None:
     """Create or resume run ``shards`` in ``store`` with ``campaign.shards=shards`` and run its whole plan through
-    the stage functions (in a child when ``fault`` kills it)."""
+    the stage functions (in a child when ``fault`` kills it), then prune its pools as the Prefect flow does
+    (``storage.pool=latents``), so the runs of either kind compare file for file."""
+    from solrl.storage.retention import prune_run
+
     torch.set_num_threads(1)
     if fault is None:
         os.environ.pop(FAULT_ENV, None)
@@ -54,6 +57,7 @@ def campaign(store: str, shards: int, fault: str | None = None) -> None:
         ctx = StageContext(run.config, run.run_dir, run.run_id, iteration, run.config_hash)
         for stage in stages:
             run_stage(ctx, stage)
+    prune_run(run.config, run.run_dir)
 
 
 def assert_same_outputs(got_dir: Path, expected_dir: Path, iterations: int | None = None) -> None:

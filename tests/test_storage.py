@@ -226,14 +226,22 @@ def test_a_run_whose_prompt_files_were_edited_opens_but_is_refused_where_work_st
     check_runnable(run.config, run.prompts_sha256)
 
 
-def test_a_same_size_corruption_is_never_trusted_and_gets_redone(tmp_path: Path):
+def test_a_same_size_corruption_is_found_by_verification_and_redone_once_uncommitted(tmp_path: Path):
+    """Readers check sizes; the sha256 computed at the commit is checked on demand (issue 36: hash once)."""
+    from solrl.storage.stage import uncommit, verify_run
+
     commit(tmp_path, "r", 1, "explore", "k", _write_two_files)
     (stage_dir(tmp_path, 1, "explore") / "a.txt").write_text("ALPHA")  # same size, other bytes
+    assert require(tmp_path, 1, "explore") and read_manifest(tmp_path, 1, "explore", verify=True) is None
+    assert [(m.iteration, m.stage, m.file, m.problem) for m in verify_run(tmp_path)] == [
+        (1, "explore", "a.txt", "sha256")
+    ]
+    uncommit(tmp_path, 1, "explore")
     with pytest.raises(StageNotCommitted):
         require(tmp_path, 1, "explore")
     manifest, skipped = run_or_skip(tmp_path, "r", 1, "explore", "k", _write_two_files)
     assert not skipped and (stage_dir(tmp_path, 1, "explore") / "a.txt").read_text() == "alpha"
-    assert require(tmp_path, 1, "explore")[1] == manifest
+    assert require(tmp_path, 1, "explore")[1] == manifest and verify_run(tmp_path) == []
 
 
 def test_a_run_json_of_the_wrong_shape_is_a_config_error_and_ls_skips_it(tmp_path: Path):

@@ -31,6 +31,28 @@ def _width(text: str) -> int:
     return int(np.ceil(_font().getlength(text)))
 
 
+#: The longest side of a tile in a grid, in pixels: small images are upscaled ``scale`` x up to it, a published
+#: 1024 px image is shown downscaled to it (a grid of 4 x 24 full-size tiles upscaled 4 x was a 93 MB PNG that
+#: took 25 s to write, issue 36).
+MAX_TILE = 256
+
+
+def tile_shape(h: int, w: int, scale: int) -> tuple[int, int]:
+    """The (height, width) a ``h x w`` image is drawn at: ``scale`` x when that fits in ``MAX_TILE``, else its
+    aspect ratio with the longer side ``MAX_TILE``."""
+    if max(h, w) * scale <= MAX_TILE:
+        return h * scale, w * scale
+    factor = MAX_TILE / max(h, w)
+    return max(1, round(h * factor)), max(1, round(w * factor))
+
+
+def _tile(image: np.ndarray, shape: tuple[int, int]) -> Image.Image:
+    """``image`` at ``shape`` (height, width): nearest neighbour up (pixels stay visible), box filter down."""
+    tile = Image.fromarray(image)
+    down = shape[0] < image.shape[0]
+    return tile.resize((shape[1], shape[0]), Image.BOX if down else Image.NEAREST)
+
+
 def save_grid(
     images: np.ndarray,
     path: Path,
@@ -42,7 +64,8 @@ def save_grid(
     scale: int = 4,
     pad: int = 2,
 ) -> None:
-    """Save uint8 ``[rows, cols, H, W, 3]`` as one labelled PNG, each image upscaled ``scale`` x (nearest); videos
+    """Save uint8 ``[rows, cols, H, W, 3]`` as one labelled PNG, each image drawn at ``tile_shape`` (upscaled
+    ``scale`` x, nearest, up to ``MAX_TILE`` pixels; larger images downscaled to it); videos
     ``[rows, cols, F, H, W, 3]`` are shown as frame strips (``solrl.stages.metrics.video.frame_strip``).
 
     Args:
@@ -52,10 +75,11 @@ def save_grid(
     """
     if images.ndim == 6:
         images = frame_strip(images)
-    rows, cols, h, w, _ = images.shape
+    rows, cols, h0, w0, _ = images.shape
+    h, w = tile_shape(h0, w0, scale)
     font = _font()
     below = _LINE_H if scores is not None else 0
-    hh, ww = h * scale + pad + below, max(w * scale, _width("0.000") + 2) + pad
+    hh, ww = h + pad + below, max(w, _width("0.000") + 2) + pad
     left = (max((_width(s) for s in row_labels), default=0) + 3 * pad) if row_labels else 0
     top = (_LINE_H + pad) if column_labels else 0
     canvas = Image.new("RGB", (left + cols * ww + pad, top + rows * hh + pad), "white")
@@ -63,12 +87,11 @@ def save_grid(
     for r in range(rows):
         y = top + pad + r * hh
         if r < len(row_labels):
-            draw.text((pad, y + (h * scale - _LINE_H) // 2), row_labels[r], fill="black", font=font)
+            draw.text((pad, y + (h - _LINE_H) // 2), row_labels[r], fill="black", font=font)
         for c in range(cols):
-            tile = Image.fromarray(images[r, c]).resize((w * scale, h * scale), Image.NEAREST)
-            canvas.paste(tile, (left + pad + c * ww, y))
+            canvas.paste(_tile(images[r, c], (h, w)), (left + pad + c * ww, y))
             if scores is not None:
-                draw.text((left + pad + c * ww, y + h * scale), f"{scores[r, c]:.3f}", fill="dimgray", font=font)
+                draw.text((left + pad + c * ww, y + h), f"{scores[r, c]:.3f}", fill="dimgray", font=font)
     for c, label in enumerate(column_labels[:cols]):
         draw.text((left + pad + c * ww, 1), label, fill="black", font=font)
     if split is not None and 0 < split < cols:
@@ -106,10 +129,11 @@ def save_pool_grid(
     if images.ndim == 5:
         images = frame_strip(images)
         columns = max(1, columns // 4)
-    n, h, w, _ = images.shape
+    n, h0, w0, _ = images.shape
+    h, w = tile_shape(h0, w0, scale)
     border, label_h = max(2, scale), _LINE_H + 2
-    tile_w = max(w * scale + 2 * border, _width("#100: 0.000") + 4)
-    tile_h = h * scale + 2 * border + 2 * label_h
+    tile_w = max(w + 2 * border, _width("#100: 0.000") + 4)
+    tile_h = h + 2 * border + 2 * label_h
     rows = -(-n // columns)
     head = 2 * _LINE_H + 6
     width = max(columns * (tile_w + 4) + 4, _width(title) + 8)
@@ -127,12 +151,9 @@ def save_pool_grid(
         r, c = divmod(i, columns)
         x0, y0 = 4 + c * (tile_w + 4), head + r * (tile_h + 4)
         draw.text((x0, y0), f"#{i + 1}: {rewards[i]:.3f}", fill="black", font=font)
-        box = (x0, y0 + label_h, x0 + w * scale + 2 * border - 1, y0 + label_h + h * scale + 2 * border - 1)
+        box = (x0, y0 + label_h, x0 + w + 2 * border - 1, y0 + label_h + h + 2 * border - 1)
         if kept_as[i] is not None:
             draw.rectangle(box, fill=KEPT_COLOURS.get(str(kept_as[i]), (0, 0, 0)))
-        tile = Image.fromarray(images[i]).resize((w * scale, h * scale), Image.NEAREST)
-        canvas.paste(tile, (x0 + border, y0 + label_h + border))
-        draw.text(
-            (x0, y0 + label_h + h * scale + 2 * border + 1), f"cand {int(candidates[i])}", fill="dimgray", font=font
-        )
+        canvas.paste(_tile(images[i], (h, w)), (x0 + border, y0 + label_h + border))
+        draw.text((x0, y0 + label_h + h + 2 * border + 1), f"cand {int(candidates[i])}", fill="dimgray", font=font)
     canvas.save(path)
