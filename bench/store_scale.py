@@ -20,6 +20,8 @@ iteration (48 prompts) is that times 48 / prompts, every cost here being linear 
 
     .venv/bin/python bench/store_scale.py      # sana-1600m and flux1-dev, local and S3, 1 and 2 shards
     .venv/bin/python bench/store_scale.py sana-1600m --stores local --shards 1 --prompts 2
+    .venv/bin/python bench/store_scale.py --prune --prompts 2   # and the pool pruned as storage.pool says
+    .venv/bin/python bench/store_scale.py --resume 100          # resume / ls / inspect / verify on 100 iterations
 """
 
 from __future__ import annotations
@@ -249,10 +251,89 @@ def one(args: argparse.Namespace) -> dict[str, Any]:
             size = store_bytes(run.run_dir)
             rows.append({"stage": name if len(shards) == 1 else f"{name} reduce", **row, "grown": size - grown})
             grown = size
+        if args.prune:  # what the campaign does once the iteration's checkpoint is committed (storage.pool)
+            from solrl.storage.artifacts import CandidatePool
+
+            why = {"images": f"storage.pool={cfg.storage.pool}"}
+            row = meter.measure(lambda: CandidatePool.prune_arrays(run.run_dir, 1, why), received)
+            size = store_bytes(run.run_dir)
+            rows.append({"stage": f"pool pruned ({cfg.storage.pool})", **row, "grown": size - grown})
+            grown = size
         return {"rows": rows, "total_store": grown, "standin": standin}
     finally:
         if server is not None:
             server.terminate()
+
+
+RESUME_RUN = [
+    "campaign.prompts_per_iteration=1",
+    "explore.pool_size=4",
+    "select.k=2",
+    "explore.steps=1",
+    "regenerate.steps=2",
+    "train.optimizer_steps=1",
+    "campaign.eval_every=1000",
+    "campaign.eval_seeds=1",
+    "fidelity.audit_every=0",
+    "tracking.report_every=0",
+    "tracking.grid_prompts=1",
+]
+
+
+def resume_bench(iterations: int, tmp: str | None) -> str:
+    """A tiny-digits run of ``iterations`` committed iterations (through the Prefect flow, as ``solrl run``
+    makes it; its campaign has one more): the seconds of ``first_pending`` (what a resume reads before its next
+    stage), ``solrl resume`` until that next stage writes (its process killed there), ``solrl ls``, ``solrl
+    inspect`` and ``solrl verify`` (which hashes every committed file, as ``first_pending`` did before issue 36)."""
+    from solrl.flows.sol_rl import campaign
+    from solrl.stages.context import StageContext
+    from solrl.stages.pipeline import first_pending
+    from solrl.storage.runs import create_run
+    from solrl.storage.stage import FAULT_ENV
+
+    store = Path(tempfile.mkdtemp(prefix="solrl-bench-resume-", dir=tmp)) / "store"
+    cfg = load_config("tiny-digits", [*RESUME_RUN, f"campaign.iterations={iterations + 1}", f"storage.root={store}"])
+    run = create_run(cfg, "hundred")
+    os.environ[FAULT_ENV] = f"{iterations + 1}:explore:write:raise"  # stop where the next iteration begins
+    start = time.perf_counter()
+    try:
+        campaign(str(store), run.run_id)
+    except RuntimeError:
+        pass
+    built = time.perf_counter() - start
+    del os.environ[FAULT_ENV]
+    ctx0 = StageContext.of(run, 0)
+    timings: dict[str, float] = {}
+    start = time.perf_counter()
+    pending = first_pending(ctx0)
+    timings["first_pending (in process)"] = time.perf_counter() - start
+    assert pending == (iterations + 1, "explore"), pending
+    cli = [sys.executable, "-m", "solrl.cli"]
+    env = {**os.environ, "OMP_NUM_THREADS": "2", FAULT_ENV: f"{iterations + 1}:explore:write"}
+    for name, command, environment in (
+        ("solrl resume, until its next stage writes", [*cli, "resume", "hundred", "--store", str(store)], env),
+        ("solrl ls", [*cli, "ls", "--store", str(store)], None),
+        ("solrl inspect (last iteration)", [*cli, "inspect", "hundred", "--store", str(store)], None),
+        (
+            "solrl verify (hashes every file: what first_pending did before)",
+            [*cli, "verify", "hundred", "--store", str(store)],
+            None,
+        ),
+        ("python -c 'import solrl.cli' (start-up, for scale)", [sys.executable, "-c", "import solrl.cli"], None),
+    ):
+        start = time.perf_counter()
+        subprocess.run(command, capture_output=True, env=environment)
+        timings[name] = time.perf_counter() - start
+    committed = sum(p.stat().st_size for p in store.rglob("*") if p.is_file())
+    lines = [
+        f"### A run of {iterations} committed iterations (tiny-digits, {committed / 2**20:.0f} MiB in its store; "
+        f"built in {built:.0f} s through the Prefect flow)",
+        "",
+        "| what | seconds |",
+        "| --- | --- |",
+        *(f"| {name} | {seconds:.2f} |" for name, seconds in timings.items()),
+    ]
+    return "\n".join(lines)
 
 
 def gib(n: float) -> str:
@@ -297,8 +378,13 @@ def main() -> None:
     parser.add_argument("--shards", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--set", nargs="*", default=[], help="config overrides for every run (e.g. storage.pool=full)")
     parser.add_argument("--tmp", default=None, help="where the runs are written (default: the system's temp)")
+    parser.add_argument("--prune", action="store_true", help="also prune the pool as storage.pool says, once")
+    parser.add_argument("--resume", type=int, metavar="N", help="time resume, ls, inspect, verify on N iterations")
     parser.add_argument("--one", nargs=3, metavar=("PRESET", "STORE", "SHARDS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.resume:
+        print(resume_bench(args.resume, args.tmp))
+        return
     if args.one:
         args.preset, args.store, args.shards = args.one[0], args.one[1], int(args.one[2])
         print(json.dumps(one(args)))
@@ -323,6 +409,8 @@ def main() -> None:
                 ]
                 if args.set:
                     command += ["--set", *args.set]
+                if args.prune:
+                    command.append("--prune")
                 if args.tmp:
                     command += ["--tmp", args.tmp]
                 done = subprocess.run(

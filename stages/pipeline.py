@@ -255,7 +255,8 @@ def run_stage(ctx: StageContext, name: str) -> tuple[StageManifest, bool]:
                 inputs = [a.load(ctx.run_dir, ctx.iteration) for a in stage.reads]
                 output = stage.reduce(ctx, out, folders, *inputs)
                 return replace_info(output, shards=len(folders), nodes=[m.node for m in committed])
-            artifact.write_concat(out, [artifact.read(folder / artifact.filename) for folder in folders])
+            parts = [artifact.read(folder / artifact.filename) for folder in folders]
+            artifact.write_concat(out, parts, [m.present() for m in committed])
             return merge_outputs(committed)
 
         seconds = sum(m.seconds for m in committed)

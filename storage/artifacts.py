@@ -13,6 +13,7 @@ previous iteration's checkpoint (none at iteration 1: the base model), ``Trained
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -26,7 +27,17 @@ import torch
 import zarr
 
 from solrl.storage.checkpoints import load_checkpoint, save_checkpoint
-from solrl.storage.stage import StageManifest, fault_point, prune, read_manifest, require, stage_dir
+from solrl.storage.stage import (
+    FileEntry,
+    StageManifest,
+    fault_point,
+    prune,
+    read_manifest,
+    record_written,
+    require,
+    sha256_bytes,
+    stage_dir,
+)
 
 A = TypeVar("A", bound="Artifact")
 Z = TypeVar("Z", bound="ZarrArtifact")
@@ -295,9 +306,17 @@ class ZarrArtifact(Artifact):
         return cls(attrs=attrs, **arrays)  # type: ignore[call-arg]
 
     @classmethod
-    def write_concat(cls, out: Path, parts: list[ZarrArtifact]) -> None:
-        """Write the concatenation of shards' artifacts (``concat``) a shard at a time: each part's arrays are
-        read once and written into its region, never all in memory at once.
+    def write_concat(
+        cls, out: Path, parts: list[ZarrArtifact], files: list[dict[str, FileEntry]] | None = None
+    ) -> None:
+        """Write the concatenation of shards' artifacts (``concat``) without holding it in memory: the big
+        (lazy) arrays of each part are moved in chunk file by chunk file where the part is a committed local
+        store chunked alike (``ZarrWriter.move``: neither read nor written again; the part's store is left
+        without them), else copied a prompt at a time; the small arrays are written.
+
+        Args:
+            files: per part, its stage's files as its manifest records them (so moved files keep their
+                checksums without being hashed again).
 
         Raises:
             ValueError: no parts, or parts that do not hold the same arrays.
@@ -313,11 +332,27 @@ class ZarrArtifact(Artifact):
         total = sum(len(part.prompts) for part in parts)
         with cls.writer(out, total, attrs) as writer:
             start = 0
-            for part in parts:
+            for i, part in enumerate(parts):
                 count = len(part.prompts)
-                for begin in range(0, count):  # a prompt at a time: one prompt's pool in memory
-                    writer.put(start + begin, **{n: a[begin : begin + 1] for n, a in part.arrays().items()})
+                for name, array in part.arrays().items():
+                    entries = {
+                        rel.removeprefix(f"{cls.filename}/"): entry
+                        for rel, entry in (files[i] if files else {}).items()
+                    }
+                    if isinstance(array, LazyArray) and writer.move(start, name, array, entries):
+                        continue
+                    for begin in range(count):  # a prompt at a time: one prompt's pool in memory
+                        writer.put(start + begin, **{name: array[begin : begin + 1]})
                 start += count
+
+
+class HashingStore(zarr.storage.LocalStore):
+    """zarr-python's local store that hashes every file as it writes it (``solrl.storage.stage.record_written``):
+    the stage's commit takes those checksums instead of reading gigabytes of pool back to hash them."""
+
+    async def _set(self, key: str, value: Any, exclusive: bool = False) -> None:
+        record_written(self.root / key, sha256_bytes(memoryview(value.as_buffer_like()).cast("B")))
+        await super()._set(key, value, exclusive=exclusive)
 
 
 class ZarrWriter:
@@ -329,7 +364,8 @@ class ZarrWriter:
 
     def __init__(self, artifact: type[ZarrArtifact], path: Path, prompts: int, attrs: dict[str, Any]) -> None:
         self.artifact, self.path, self.prompts, self.attrs = artifact, path, prompts, attrs
-        self.group = zarr.open_group(str(path), mode="w-")
+        self.store = HashingStore(str(path))
+        self.group = zarr.open_group(store=self.store, mode="w-")
         self.written: dict[str, int] = {}
 
     def __enter__(self) -> ZarrWriter:
@@ -377,6 +413,53 @@ class ZarrWriter:
             self.written[name] += data.shape[0]
             fault_point("write")  # test-only: a kill between two writes of one store
 
+    def _array(self, name: str, shape: tuple[int, ...], dtype: np.dtype, dims: tuple[str, ...]) -> zarr.Array:
+        """Array ``name`` of the store, created at its first region (``[n, ...]`` of ``shape``, ``dtype``)."""
+        full = (self.prompts, *shape[1:])
+        if name not in self.written:
+            self.group.create_array(
+                name, shape=full, dtype=dtype, chunks=chunk_shape(full, dtype.itemsize, dims), dimension_names=dims
+            )
+            self.written[name] = 0
+        array = self.group[name]
+        if tuple(array.shape) != full or array.dtype != dtype:
+            raise ValueError(
+                f"{self.artifact.__name__}.{name}: {dtype} {shape} does not fit {array.dtype} {array.shape}"
+            )
+        return array
+
+    def move(self, start: int, name: str, source: LazyArray, entries: dict[str, FileEntry]) -> bool:
+        """Move the chunk files of ``source`` (array ``name`` of a committed shard's store, its own prompts from 0)
+        into prompts ``start ..`` of this store, renamed to their new chunk keys: the shard's bytes become the
+        stage's without being read or written again (a sharded stage's reduce). ``entries``: the shard's files
+        (relative to the array's folder) as its manifest records them, so the commit need not hash them again.
+
+        Returns:
+            False (nothing moved) when the two stores do not chunk alike or lie on other filesystems; then the
+            caller copies.
+        """
+        store = source.array.store
+        if not isinstance(store, zarr.storage.LocalStore):
+            return False
+        dims = with_frames(self.artifact.dims[name], source.ndim)
+        target = self._array(name, source.shape, source.dtype, dims)
+        if tuple(target.chunks) != tuple(source.array.chunks) or tuple(target.chunks)[0] != 1:
+            return False
+        folder = Path(str(store.root)) / source.array.path / "c"
+        if folder.exists() and os.stat(folder).st_dev != os.stat(self.path).st_dev:
+            return False
+        for path in sorted(p for p in folder.rglob("*") if p.is_file()) if folder.exists() else []:
+            key = path.relative_to(folder).parts
+            moved = self.path / name / "c" / str(int(key[0]) + start) / Path(*key[1:])
+            moved.parent.mkdir(parents=True, exist_ok=True)
+            entry = entries.get(path.relative_to(Path(str(store.root))).as_posix())
+            os.replace(path, moved)
+            if entry is not None:
+                record_written(moved, entry)
+        self.written[name] += source.shape[0]
+        fault_point("write")
+        return True
+
     def close(self) -> None:
         """Finish the store: every required array written whole, the attrs, the consolidated metadata.
 
@@ -391,7 +474,7 @@ class ZarrWriter:
         self.group.attrs.update(self.attrs)
         with warnings.catch_warnings():  # zarr notes that v3 consolidation is an extension; xarray reads it
             warnings.filterwarnings("ignore", message="Consolidated metadata is currently not part")
-            zarr.consolidate_metadata(str(self.path))
+            zarr.consolidate_metadata(self.store)
 
 
 _IMAGE = ("y", "x", "rgb")

@@ -192,14 +192,45 @@ def plain_modes(root: Path) -> None:
         os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~mask)
 
 
+#: sha256 and size of files as they were written (``record_written``), by absolute path: what a commit takes
+#: instead of reading a file back to hash it.
+_WRITTEN: dict[str, FileEntry] = {}
+
+
+def record_written(path: Path, entry: FileEntry) -> None:
+    """Record the size and sha256 of the bytes just written to ``path`` (a writer that hashes as it writes: the
+    Zarr stores of ``solrl.storage.artifacts``; or a file moved whole from a committed folder, with its entry
+    there). The commit of the folder holding ``path`` uses it instead of reading the file back; a file of
+    another size than recorded is hashed from disk."""
+    _WRITTEN[str(Path(path).absolute())] = entry
+
+
+def sha256_bytes(data: bytes | memoryview) -> FileEntry:
+    """The entry (size, sha256) of ``data``."""
+    return FileEntry(
+        size=len(data) if isinstance(data, bytes) else data.nbytes, sha256=hashlib.sha256(data).hexdigest()
+    )
+
+
 def _fsync_tree(root: Path) -> dict[str, FileEntry]:
-    """fsync every file under ``root`` and return their entries (posix relative paths)."""
+    """fsync every file under ``root`` and return their entries (posix relative paths): hashed as they were
+    written where recorded (``record_written``), else read back and hashed."""
     entries = {}
     for path in sorted(p for p in root.rglob("*") if p.is_file()):
         with open(path, "rb") as f:
             os.fsync(f.fileno())
-        entries[path.relative_to(root).as_posix()] = FileEntry(size=path.stat().st_size, sha256=_sha256(path))
+        size = path.stat().st_size
+        written = _WRITTEN.pop(str(path.absolute()), None)
+        if written is None or written.size != size:
+            written = FileEntry(size=size, sha256=_sha256(path))
+        entries[path.relative_to(root).as_posix()] = written
     return entries
+
+
+def _forget_written(root: Path) -> None:
+    prefix = f"{Path(root).absolute()}/"
+    for key in [k for k in _WRITTEN if k.startswith(prefix)]:
+        del _WRITTEN[key]
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
@@ -430,6 +461,8 @@ def commit(
         _committing = None
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        _forget_written(tmp)
     try:
         write_json_atomic(final / MANIFEST, manifest.model_dump(mode="json"))
         fault_point("committed")

@@ -268,3 +268,29 @@ def test_retention_keeps_the_expected_pools_of_a_12_iteration_campaign(tmp_path)
     assert first_pending(StageContext.of(run, 0)) is None
     bad = runner.invoke(app, ["prune", "kept", "--store", str(store), "--pool", "pixels"])
     assert bad.exit_code == 2 and "give full, latents or rankings" in bad.stderr
+
+
+def test_pool_chunks_are_hashed_as_written_and_a_sharded_pool_is_merged_by_moving_them(tmp_path, monkeypatch):
+    """No chunk file is read back to be hashed, by the shards' commits or by the reduce, which moves the shards'
+    chunk files into the stage instead of copying them; the checksums it carries over are the bytes' own."""
+    from solrl.stages.context import StageContext
+    from solrl.stages.pipeline import run_stage
+    from solrl.storage.runs import create_run
+
+    run = create_run(tiny_config(tmp_path, "campaign.shards=2", "campaign.prompts_per_iteration=4"), "moved")
+    read_back: list[str] = []
+    original = stage_module._sha256
+
+    def counted(path: Path) -> str:
+        read_back.append(Path(path).as_posix())
+        return original(path)
+
+    monkeypatch.setattr(stage_module, "_sha256", counted)
+    manifest, _ = run_stage(StageContext.of(run, 1), "explore")
+    assert not [p for p in read_back if ".zarr/" in p]  # every Zarr file hashed as it was written
+    assert manifest.info["shards"] == 2
+    pool = CandidatePool.load(run.run_dir, 1)
+    assert pool.images.shape == (4, 8, 16, 16, 3) and int(np.asarray(pool.images).max()) > 0
+    assert not (run.run_dir / "iter_000001" / "explore.shards").exists()
+    monkeypatch.setattr(stage_module, "_sha256", original)
+    assert verify_run(run.run_dir) == []
