@@ -280,58 +280,71 @@ RESUME_RUN = [
 ]
 
 
-def resume_bench(iterations: int, tmp: str | None) -> str:
-    """A tiny-digits run of ``iterations`` committed iterations (through the Prefect flow, as ``solrl run``
-    makes it; its campaign has one more): the seconds of ``first_pending`` (what a resume reads before its next
-    stage), ``solrl resume`` until that next stage writes (its process killed there), ``solrl ls``, ``solrl
-    inspect`` and ``solrl verify`` (which hashes every committed file, as ``first_pending`` did before issue 36)."""
+def _committed_run(iterations: int, tmp: str | None) -> tuple[Any, Path, float]:
+    """A tiny-digits run of ``iterations`` committed iterations whose campaign has one more, built through the
+    Prefect flow (as ``solrl run`` builds it): (run, store, seconds to build)."""
     from solrl.flows.sol_rl import campaign
-    from solrl.stages.context import StageContext
-    from solrl.stages.pipeline import first_pending
     from solrl.storage.runs import create_run
     from solrl.storage.stage import FAULT_ENV
 
     store = Path(tempfile.mkdtemp(prefix="solrl-bench-resume-", dir=tmp)) / "store"
     cfg = load_config("tiny-digits", [*RESUME_RUN, f"campaign.iterations={iterations + 1}", f"storage.root={store}"])
-    run = create_run(cfg, "hundred")
+    run = create_run(cfg, "resumed")
     os.environ[FAULT_ENV] = f"{iterations + 1}:explore:write:raise"  # stop where the next iteration begins
     start = time.perf_counter()
     try:
         campaign(str(store), run.run_id)
     except RuntimeError:
         pass
-    built = time.perf_counter() - start
-    del os.environ[FAULT_ENV]
-    ctx0 = StageContext.of(run, 0)
-    timings: dict[str, float] = {}
-    start = time.perf_counter()
-    pending = first_pending(ctx0)
-    timings["first_pending (in process)"] = time.perf_counter() - start
-    assert pending == (iterations + 1, "explore"), pending
+    finally:
+        del os.environ[FAULT_ENV]
+    return run, store, time.perf_counter() - start
+
+
+def resume_bench(iterations: int, tmp: str | None) -> str:
+    """Runs of 3 and ``iterations`` committed iterations (``_committed_run``): the seconds of ``first_pending``
+    (what a resume reads before its next stage), of ``solrl resume`` until that next stage writes (its process
+    killed there; the 3-iteration run's is the fixed cost: start-up, Prefect, the model), ``solrl ls``, ``solrl
+    inspect`` and ``solrl verify`` (which hashes every committed file, as ``first_pending`` did before issue
+    36)."""
+    from solrl.stages.context import StageContext
+    from solrl.stages.pipeline import first_pending
+    from solrl.storage.stage import FAULT_ENV
+
     cli = [sys.executable, "-m", "solrl.cli"]
-    env = {**os.environ, "OMP_NUM_THREADS": "2", FAULT_ENV: f"{iterations + 1}:explore:write"}
-    for name, command, environment in (
-        ("solrl resume, until its next stage writes", [*cli, "resume", "hundred", "--store", str(store)], env),
-        ("solrl ls", [*cli, "ls", "--store", str(store)], None),
-        ("solrl inspect (last iteration)", [*cli, "inspect", "hundred", "--store", str(store)], None),
-        (
-            "solrl verify (hashes every file: what first_pending did before)",
-            [*cli, "verify", "hundred", "--store", str(store)],
-            None,
-        ),
-        ("python -c 'import solrl.cli' (start-up, for scale)", [sys.executable, "-c", "import solrl.cli"], None),
-    ):
+    rows: dict[str, dict[int, float]] = {}
+    sizes = {}
+    for count in (3, iterations):
+        run, store, built = _committed_run(count, tmp)
+        sizes[count] = (sum(p.stat().st_size for p in store.rglob("*") if p.is_file()), built)
         start = time.perf_counter()
-        subprocess.run(command, capture_output=True, env=environment)
-        timings[name] = time.perf_counter() - start
-    committed = sum(p.stat().st_size for p in store.rglob("*") if p.is_file())
+        pending = first_pending(StageContext.of(run, 0))
+        rows.setdefault("first_pending (in process)", {})[count] = time.perf_counter() - start
+        assert pending == (count + 1, "explore"), pending
+        env = {**os.environ, "OMP_NUM_THREADS": "2", FAULT_ENV: f"{count + 1}:explore:write"}
+        for name, command, environment in (
+            ("solrl resume, until its next stage writes", [*cli, "resume", "resumed", "--store", str(store)], env),
+            ("solrl ls", [*cli, "ls", "--store", str(store)], None),
+            ("solrl inspect (last iteration)", [*cli, "inspect", "resumed", "--store", str(store)], None),
+            (
+                "solrl verify (every file hashed, as first_pending did before)",
+                [*cli, "verify", "resumed", "--store", str(store)],
+                None,
+            ),
+        ):
+            start = time.perf_counter()
+            subprocess.run(command, capture_output=True, env=environment)
+            rows.setdefault(name, {})[count] = time.perf_counter() - start
     lines = [
-        f"### A run of {iterations} committed iterations (tiny-digits, {committed / 2**20:.0f} MiB in its store; "
-        f"built in {built:.0f} s through the Prefect flow)",
+        f"### Runs of 3 and {iterations} committed iterations (tiny-digits; "
+        + ", ".join(
+            f"{n}: {size / 2**20:.0f} MiB in the store, built in {built:.0f} s" for n, (size, built) in sizes.items()
+        )
+        + ")",
         "",
-        "| what | seconds |",
-        "| --- | --- |",
-        *(f"| {name} | {seconds:.2f} |" for name, seconds in timings.items()),
+        f"| what | 3 iterations, s | {iterations} iterations, s | difference, s |",
+        "| --- | --- | --- | --- |",
+        *(f"| {name} | {v[3]:.2f} | {v[iterations]:.2f} | {v[iterations] - v[3]:+.2f} |" for name, v in rows.items()),
     ]
     return "\n".join(lines)
 
