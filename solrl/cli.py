@@ -595,6 +595,14 @@ def inspect(
         return found.states.get(stage) or f"not run at iteration {iteration}"
 
     show("candidate pool: weighted reward per prompt", found.pool, f"score_explore {state_of('score_explore')}")
+    if (explore := found.manifests.get("explore")) is not None and explore.pruned:
+        reasons = ", ".join(sorted(set(explore.pruned.values())))
+        gone = sorted(folder.rsplit("/", 1)[-1] for folder in explore.pruned)
+        see = f"`solrl show {run_id} --iteration {iteration} --prompt 0 --store {store}`"
+        console.print(
+            f"candidate pool: {' and '.join(gone)} pruned ({reasons}); "
+            + (f"its latents remain: {see} decodes them" if "latents" not in gone else "rankings above remain")
+        )
     show("kept seeds", found.selection, f"select {state_of('select')}")
     show("proxy fidelity per prompt (kept seeds)", found.fidelity, f"score_regenerate {state_of('score_regenerate')}")
     if found.audit_pool is not None:

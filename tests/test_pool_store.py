@@ -259,6 +259,12 @@ def test_retention_keeps_the_expected_pools_of_a_12_iteration_campaign(tmp_path)
     assert (
         shown.exit_code == 0 and "decoded from its latents by the tiny-digits model" in shown.output and out.is_file()
     )
+    for iteration, says in (
+        (3, "images and latents pruned (storage.keep_pools, storage.pool=latents); rankings"),
+        (11, "images pruned (storage.pool=latents); its latents remain: `solrl show kept"),
+    ):
+        inspected = runner.invoke(app, ["inspect", "kept", "--store", str(store), "--iteration", str(iteration)])
+        assert inspected.exit_code == 0 and says in inspected.output.replace("\n", " "), inspected.output
     html = runner.invoke(app, ["report", "kept", "--store", str(store), "--html", str(tmp_path / "r.html")])
     assert html.exit_code == 0, html.output
 
