@@ -12,9 +12,11 @@ previous iteration's checkpoint (none at iteration 1: the base model), ``Trained
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
@@ -27,10 +29,12 @@ import torch
 import zarr
 
 from solrl.storage.checkpoints import load_checkpoint, save_checkpoint
+from solrl.storage.mirror import remote
 from solrl.storage.stage import (
     FileEntry,
     StageManifest,
     fault_point,
+    fetch_file,
     prune,
     read_manifest,
     record_written,
@@ -205,8 +209,20 @@ class ZarrArtifact(Artifact):
         source = cls.source_iteration(iteration)
         if source is None:
             return None
-        directory, manifest = require(run_dir, source, cls.stage)
-        artifact = cls.read(directory / cls.filename)
+        chunks = f"{cls.filename}/"
+
+        def is_chunk(rel: str) -> bool:  # a mirrored run's chunk files come when indexed (FetchingStore)
+            return rel.startswith(chunks) and "/c/" in rel
+
+        directory, manifest = require(run_dir, source, cls.stage, defer=is_chunk)
+        if remote(run_dir) is None:
+            artifact = cls.read(directory / cls.filename)
+        else:
+
+            def fetch(key: str) -> None:
+                fetch_file(run_dir, source, cls.stage, manifest, f"{cls.filename}/{key}")
+
+            artifact = cls.read(directory / cls.filename, FetchingStore(str(directory / cls.filename), fetch))
         for name in cls.dims:
             why = manifest.pruned.get(f"{cls.filename}/{name}")
             if why is not None:
@@ -262,8 +278,9 @@ class ZarrArtifact(Artifact):
         return ZarrWriter(cls, out / cls.filename, prompts, attrs)
 
     @classmethod
-    def read(cls: type[A], path: Path) -> A:
-        group = zarr.open_group(str(path), mode="r")
+    def read(cls: type[A], path: Path, store: zarr.storage.LocalStore | None = None) -> A:
+        """The artifact in the Zarr group at ``path`` (through ``store``, a store over it, when given)."""
+        group = zarr.open_group(store if store is not None else str(path), mode="r")
         arrays = {
             name: LazyArray(array) if name in cls.lazy else np.asarray(array[...]) for name, array in group.arrays()
         }
@@ -353,6 +370,21 @@ class HashingStore(zarr.storage.LocalStore):
     async def _set(self, key: str, value: Any, exclusive: bool = False) -> None:
         record_written(self.root / key, sha256_bytes(memoryview(value.as_buffer_like()).cast("B")))
         await super()._set(key, value, exclusive=exclusive)
+
+
+class FetchingStore(zarr.storage.LocalStore):
+    """zarr-python's local store over a mirror folder that fetches a missing file when Zarr asks for it
+    (``fetch(key)``: ``solrl.storage.stage.fetch_file``, checked against its sha256), so a shard on another
+    machine downloads only the chunks of the prompts it reads."""
+
+    def __init__(self, root: str, fetch: Callable[[str], None]) -> None:
+        super().__init__(root, read_only=True)
+        self.fetch = fetch
+
+    async def get(self, key: str, prototype: Any = None, byte_range: Any = None) -> Any:
+        if not (self.root / key).is_file():
+            await asyncio.to_thread(self.fetch, key)
+        return await super().get(key, prototype, byte_range)
 
 
 class ZarrWriter:

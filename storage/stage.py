@@ -249,7 +249,13 @@ def write_json_atomic(path: Path, data: Any) -> None:
 
 
 def read_manifest(
-    run_dir: Path, iteration: int, stage: str, *, verify: bool = False, fetch: bool = False
+    run_dir: Path,
+    iteration: int,
+    stage: str,
+    *,
+    verify: bool = False,
+    fetch: bool = False,
+    defer: Callable[[str], bool] | None = None,
 ) -> StageManifest | None:
     """The stage's manifest if the stage is committed, else None.
 
@@ -262,11 +268,12 @@ def read_manifest(
     For a run of an object store (``solrl.storage.mirror``) the manifest is read from the store every time and
     sizes are checked against one listing of its attempt's prefix; ``fetch=True`` also downloads into the mirror
     what it lacks (or holds at another size), each download checked against its sha256; ``verify=True`` hashes
-    every mirrored file as well and fetches again those that differ.
+    every mirrored file as well and fetches again those that differ. ``defer(file)``: files ``fetch`` leaves on
+    the store, for a reader that fetches them when it needs them (``fetch_file``; a pool's chunks).
     """
     directory = stage_dir(run_dir, iteration, stage)
     if (on_store := remote(run_dir)) is not None:
-        return _read_remote_manifest(*on_store, run_dir, iteration, stage, verify, fetch)
+        return _read_remote_manifest(*on_store, run_dir, iteration, stage, verify, fetch, defer)
     try:
         manifest = StageManifest.model_validate_json((directory / MANIFEST).read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -307,7 +314,14 @@ def _stage_key(run_key: str, run_dir: Path, directory: Path) -> str:
 
 
 def _read_remote_manifest(
-    store: Store, run_key: str, run_dir: Path, iteration: int, stage: str, verify: bool, fetch: bool
+    store: Store,
+    run_key: str,
+    run_dir: Path,
+    iteration: int,
+    stage: str,
+    verify: bool,
+    fetch: bool,
+    defer: Callable[[str], bool] | None = None,
 ) -> StageManifest | None:
     """``read_manifest`` for a mirrored run: the store's manifest, its mirror copy refreshed."""
     directory = stage_dir(run_dir, iteration, stage)
@@ -333,17 +347,49 @@ def _read_remote_manifest(
         sizes = store.sizes(attempt)
         return manifest if all(sizes.get(rel) == entry.size for rel, entry in manifest.present().items()) else None
     folder = directory / manifest.prefix
-    for rel, entry in manifest.present().items():
+    present = manifest.present()
+    if defer is not None and not verify:
+        sizes = store.sizes(attempt)  # what is left on the store is checked there, by size
+        if any(sizes.get(rel) != entry.size for rel, entry in present.items() if defer(rel)):
+            return None
+    for rel, entry in present.items():
+        if defer is not None and not verify and defer(rel):
+            continue
         path = folder / rel
         if path.is_file() and path.stat().st_size == entry.size and (not verify or _sha256(path) == entry.sha256):
             continue  # written here (hashed at its commit) or fetched here (hashed on arrival) before
-        try:
-            store.get_file(f"{attempt}/{rel}", path)
-        except FileNotFoundError:
-            return None
-        if path.stat().st_size != entry.size or _sha256(path) != entry.sha256:
+        if not _fetch(store, f"{attempt}/{rel}", path, entry):
             return None
     return manifest
+
+
+def _fetch(store: Store, key: str, path: Path, entry: FileEntry) -> bool:
+    """Download ``key`` to ``path``; whether it arrived with the size and sha256 of ``entry`` (a file that does
+    not is removed)."""
+    try:
+        store.get_file(key, path)
+    except FileNotFoundError:
+        return False
+    if path.stat().st_size != entry.size or _sha256(path) != entry.sha256:
+        path.unlink(missing_ok=True)
+        return False
+    return True
+
+
+def fetch_file(run_dir: Path, iteration: int, stage: str, manifest: StageManifest, rel: str) -> bool:
+    """Bring file ``rel`` of a committed stage of a mirrored run into the mirror, checked against its sha256 (a
+    file a reader deferred: ``read_manifest(defer=...)``). True when it is there now; False for a local run or
+    a file the manifest does not list or whose download does not match."""
+    on_store = remote(run_dir)
+    entry = manifest.present().get(rel)
+    if on_store is None or entry is None:
+        return False
+    directory = stage_dir(run_dir, iteration, stage)
+    path = directory / manifest.prefix / rel
+    if path.is_file() and path.stat().st_size == entry.size:
+        return True
+    key = f"{_stage_key(on_store[1], run_dir, directory)}/{manifest.prefix}/{rel}"
+    return _fetch(on_store[0], key, path, entry)
 
 
 def output_dir(run_dir: Path, iteration: int, stage: str) -> Path:
@@ -359,18 +405,26 @@ def output_dir(run_dir: Path, iteration: int, stage: str) -> Path:
     return stage_dir(run_dir, iteration, stage) / manifest.prefix
 
 
-def require(run_dir: Path, iteration: int, stage: str, *, verify: str | None = None) -> tuple[Path, StageManifest]:
+def require(
+    run_dir: Path,
+    iteration: int,
+    stage: str,
+    *,
+    verify: str | None = None,
+    defer: Callable[[str], bool] | None = None,
+) -> tuple[Path, StageManifest]:
     """The output folder and manifest of a committed stage, for reading its outputs: sizes checked against the
     manifest (checksums were computed when the stage committed them; ``verify_run`` re-hashes on demand), and
     for a mirrored run the files this machine lacks fetched, each download checked against its sha256.
     ``verify``: a file or folder of the stage whose files are hashed as well (a small table about to be read).
+    ``defer``: files of a mirrored run left on the store until the reader fetches them (``fetch_file``).
 
     Raises:
         StageNotCommitted: the stage has no valid manifest, or a file is missing or of another size (or, once
             fetched from an object store, fails its checksum), or a ``verify`` file fails its checksum; its
             folder must not be read.
     """
-    manifest = read_manifest(run_dir, iteration, stage, fetch=True)
+    manifest = read_manifest(run_dir, iteration, stage, fetch=True, defer=defer)
     if manifest is None:
         raise StageNotCommitted(f"iteration {iteration} stage {stage!r} has no valid manifest in {run_dir}")
     folder = stage_dir(run_dir, iteration, stage) / manifest.prefix

@@ -485,3 +485,29 @@ def test_two_shards_on_two_nodes_of_a_ray_cluster_with_the_store_only_on_s3(s3_a
         pd.testing.assert_frame_equal(
             got[kept], pd.read_parquet(require(local, iteration, "select")[0] / "selection.parquet")[kept]
         )
+
+
+def test_a_reader_on_another_machine_downloads_only_the_chunks_it_indexes(s3_and_local, tmp_path, monkeypatch):
+    """A pool opened from the store on a machine with an empty mirror fetches its metadata and, as Zarr asks for
+    them, only the chunk files of the prompts read (each checked against its sha256): a shard's own prompts."""
+    import numpy as np
+
+    from solrl.storage import mirror
+    from solrl.storage.artifacts import CandidatePool
+
+    on_s3, local, root, _ = s3_and_local
+    monkeypatch.setenv("SOLRL_CACHE", str(tmp_path / "other-machine"))
+    mirror._mirrored_store.cache_clear()
+    run_dir = open_run(root, "same").run_dir
+    pool = CandidatePool.load(run_dir, 1)
+    folder = require(run_dir, 1, "explore", defer=lambda rel: "/c/" in rel)[0] / "candidates.zarr"
+    assert not list((folder / "images" / "c").rglob("*"))  # no pool chunk fetched yet
+    second = pool.images[1:2]
+    fetched = sorted(
+        p.relative_to(folder / "images" / "c").parts[0] for p in (folder / "images" / "c").rglob("*") if p.is_file()
+    )
+    assert fetched and set(fetched) == {"1"}  # prompt 1's chunks only
+    expected = CandidatePool.load(local, 1)
+    np.testing.assert_array_equal(second, np.asarray(expected.images)[1:2])
+    np.testing.assert_array_equal(pool.seeds, expected.seeds)
+    mirror._mirrored_store.cache_clear()

@@ -224,6 +224,9 @@ def test_retention_keeps_the_expected_pools_of_a_12_iteration_campaign(tmp_path)
         "campaign.eval_every=12",
         "fidelity.audit_every=0",
         "train.optimizer_steps=1",
+        "explore.steps=1",
+        "regenerate.steps=2",
+        "campaign.eval_seeds=1",
         "tracking.report_every=0",
         "storage.keep_pools={last: 3, every: 5}",
     )
