@@ -23,30 +23,23 @@ def score_images(
     prompts: list[str],
     names: dict[str, float],
     metadata: list[dict] | None = None,
+    *,
+    release: bool = True,
 ) -> dict[str, np.ndarray]:
     """Rewards of uint8 ``[B, H, W, 3]`` images (and each image's prompt metadata, if any): name -> float32
     ``[B]``, each reward built with its ``reward.models`` options (once per process), those not kept loaded
-    freed afterwards. Videos ``[B, F, H, W, 3]`` are scored through their frames (``score_videos``).
-    RewardError on NaN."""
+    freed afterwards unless ``release=False`` (a caller scoring a pool a few prompts at a time frees them at
+    its end). Videos ``[B, F, H, W, 3]`` are scored through their frames (``score_videos``). RewardError on
+    NaN."""
     try:
-        return _score_loaded(ctx, images, prompts, names, metadata)
+        if images.ndim == 5:
+            return score_videos(ctx, images, prompts, names, metadata)
+        models = ctx.cfg.reward.models
+        rewards = {name: (build_reward(name, ctx.device, models.get(name)), w) for name, w in names.items()}
+        return score_all(rewards, images, prompts, metadata)
     finally:
-        release_rewards(list(names))
-
-
-def _score_loaded(
-    ctx: StageContext,
-    images: np.ndarray,
-    prompts: list[str],
-    names: dict[str, float],
-    metadata: list[dict] | None = None,
-) -> dict[str, np.ndarray]:
-    """``score_images`` without freeing the rewards afterwards (a caller scoring a pool chunk by chunk)."""
-    if images.ndim == 5:
-        return score_videos(ctx, images, prompts, names, metadata)
-    models = ctx.cfg.reward.models
-    rewards = {name: (build_reward(name, ctx.device, models.get(name)), weight) for name, weight in names.items()}
-    return score_all(rewards, images, prompts, metadata)
+        if release:
+            release_rewards(list(names))
 
 
 def score_videos(
@@ -62,12 +55,13 @@ def score_videos(
     HPS (frame mean). Returns name -> float32 ``[B]``."""
     frames = videos[:, :: ctx.cfg.reward.frame_stride]  # [B, F', H, W, 3]
     B, F = frames.shape[:2]
-    per_frame = _score_loaded(
+    per_frame = score_images(
         ctx,
         frames.reshape(B * F, *frames.shape[2:]),
         [p for p in prompts for _ in range(F)],
         names,
         None if metadata is None else [m for m in metadata for _ in range(F)],
+        release=False,
     )
     reduce = np.mean if ctx.cfg.reward.video == "mean" else np.min
     return {name: reduce(value.reshape(B, F), axis=1).astype(np.float32) for name, value in per_frame.items()}
@@ -146,12 +140,13 @@ def _score_pool(ctx: StageContext, pool: CandidatePool) -> dict[str, np.ndarray]
             last = min(first + step, P)
             images = pool.images[first:last]
             parts.append(
-                _score_loaded(
+                score_images(
                     ctx,
                     images.reshape((last - first) * N, *images.shape[2:]),
                     [pool.prompts[p] for p in range(first, last) for _ in range(N)],
                     names,
                     None if metadata is None else metadata[first * N : last * N],
+                    release=False,
                 )
             )
             del images

@@ -311,16 +311,27 @@ class ZarrArtifact(Artifact):
         Raises:
             ValueError: no parts, or parts that do not hold the same arrays.
         """
+        attrs = cls._concat_attrs(parts)
+        names = sorted(parts[0].arrays())
+        arrays = {name: np.concatenate([np.asarray(part.arrays()[name]) for part in parts]) for name in names}
+        return cls(attrs=attrs, **arrays)  # type: ignore[call-arg]
+
+    @classmethod
+    def _concat_attrs(cls, parts: list[ZarrArtifact]) -> dict[str, Any]:
+        """The attrs of the concatenation of ``parts`` (``concat``), after checking they hold the same arrays.
+
+        Raises:
+            ValueError: no parts, or parts that do not hold the same arrays.
+        """
         if not parts:
             raise ValueError(f"{cls.__name__}.concat: no parts")
         names = [sorted(part.arrays()) for part in parts]
         if any(n != names[0] for n in names):
             raise ValueError(f"{cls.__name__}.concat: the parts hold different arrays: {names}")
-        arrays = {name: np.concatenate([np.asarray(part.arrays()[name]) for part in parts]) for name in names[0]}
         attrs = dict(parts[0].attrs)
         if "prompts" in attrs:
             attrs["prompts"] = [p for part in parts for p in part.prompts]
-        return cls(attrs=attrs, **arrays)  # type: ignore[call-arg]
+        return attrs
 
     @classmethod
     def write_concat(
@@ -338,14 +349,7 @@ class ZarrArtifact(Artifact):
         Raises:
             ValueError: no parts, or parts that do not hold the same arrays.
         """
-        if not parts:
-            raise ValueError(f"{cls.__name__}.write_concat: no parts")
-        names = [sorted(part.arrays()) for part in parts]
-        if any(n != names[0] for n in names):
-            raise ValueError(f"{cls.__name__}.write_concat: the parts hold different arrays: {names}")
-        attrs = dict(parts[0].attrs)
-        if "prompts" in attrs:
-            attrs["prompts"] = [p for part in parts for p in part.prompts]
+        attrs = cls._concat_attrs(parts)
         total = sum(len(part.prompts) for part in parts)
         with cls.writer(out, total, attrs) as writer:
             start = 0
