@@ -143,10 +143,6 @@ class LazyArray:
     def ndim(self) -> int:
         return len(self.array.shape)
 
-    @property
-    def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
-
     def __len__(self) -> int:
         return self.shape[0]
 
@@ -190,8 +186,8 @@ class ZarrArtifact(Artifact):
 
     ``read`` opens the group lazily: the arrays named in ``lazy`` (the images and latents: a pool at published
     size is gigabytes) are ``LazyArray`` views that read only what is indexed, the others (seeds, indices) are
-    read whole; ``materialize`` reads everything. A stage that produces its arrays a few
-    prompts at a time writes them as it goes through ``writer`` (``ZarrWriter``)."""
+    read whole. A stage that produces its arrays a few prompts at a time writes them as it goes through
+    ``writer`` (``ZarrWriter``)."""
 
     #: array name -> dimension names; arrays may be absent (None) unless listed in ``required``.
     dims: ClassVar[dict[str, tuple[str, ...]]]
@@ -285,10 +281,6 @@ class ZarrArtifact(Artifact):
             name: LazyArray(array) if name in cls.lazy else np.asarray(array[...]) for name, array in group.arrays()
         }
         return cls(attrs=dict(group.attrs), **{name: arrays.get(name) for name in cls.dims})  # type: ignore[call-arg]
-
-    def materialize(self: Z) -> Z:
-        """The same artifact with every array read whole into memory (numpy)."""
-        return type(self)(attrs=dict(self.attrs), **{n: np.asarray(a) for n, a in self.arrays().items()})
 
     @property
     def prompts(self) -> list[str]:
