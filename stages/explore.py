@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +11,7 @@ from solrl.stages.context import StageContext
 from solrl.stages.quant.backends import sampling_network
 from solrl.stages.sampling.compiled import compile_metrics
 from solrl.stages.sampling.rollout import generate, trajectory_arrays
-from solrl.stages.sharding import WHOLE, Shard
+from solrl.stages.sharding import WHOLE, Shard, prompts_per_part
 from solrl.storage.artifacts import CandidatePool, StartingPolicy
 from solrl.storage.stage import StageOutput, read_manifest
 
@@ -36,14 +35,6 @@ def explore_precision(ctx: StageContext) -> tuple[str, list[str]]:
     ]
 
 
-def prompts_per_write(pool_size: int, batch_size: int) -> int:
-    """How many prompts explore samples, decodes and writes at a time: the fewest whose candidates fill whole
-    sampling batches (``batch_size / gcd(pool_size, batch_size)``), so the batches are exactly those of one
-    call over the whole pool (same numbers, to the last digit) while memory holds one such group of prompts
-    (one prompt's pool whenever the batch divides the pool size), not the iteration's."""
-    return batch_size // math.gcd(pool_size, batch_size)
-
-
 def explore(ctx: StageContext, out: Path, start: StartingPolicy | None, *, shard: Shard = WHOLE) -> StageOutput:
     """Draw ``pool_size`` seeds per prompt and sample each with the explore copy (``explore.precision``) of the
     rollout policy ``start`` (None: the base model).
@@ -54,7 +45,7 @@ def explore(ctx: StageContext, out: Path, start: StartingPolicy | None, *, shard
     latents float32 ``[P, N, C, h, w]`` (what the pool keeps once its checkpoint is committed,
     ``solrl.storage.retention``). Seeds derive from (run seed, iteration, prompt position, candidate index).
     With ``shard``, only that shard's prompts (``P`` of them). The pool is written as it is sampled,
-    ``prompts_per_write`` prompts at a time.
+    ``prompts_per_part`` prompts at a time (whole sampling batches).
     """
     cfg = ctx.cfg.explore
     precision, warnings = explore_precision(ctx)
@@ -66,7 +57,7 @@ def explore(ctx: StageContext, out: Path, start: StartingPolicy | None, *, shard
     policy = ctx.load_policy(start)
     policy.explore_sync_seconds = 0.0
     noise_level = ctx.cfg.sde_noise_level()
-    step = prompts_per_write(N, cfg.batch_size)
+    step = prompts_per_part(N, [cfg.batch_size])
     attrs = {"prompts": prompts, "precision": precision, "steps": cfg.steps, "policy_version": ctx.iteration - 1}
     sde_steps: list[bool] = []
     with (

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +11,7 @@ from solrl.stages.context import StageContext
 from solrl.stages.guards import fidelity_alarm
 from solrl.stages.metrics.fidelity import group_agreement, rank_agreement
 from solrl.stages.rewards import build_reward, release_rewards, score_all
-from solrl.stages.sharding import WHOLE, Shard
+from solrl.stages.sharding import WHOLE, Shard, prompts_per_part
 from solrl.storage.artifacts import CandidatePool, ExploreRewards, FidelityTable, RegeneratedRewards, Samples, Selection
 from solrl.storage.stage import StageOutput
 
@@ -113,26 +112,15 @@ def _reward_batches(ctx: StageContext, names: dict[str, float]) -> list[int]:
     return sizes
 
 
-def prompts_per_read(images_per_prompt: int, batch_sizes: list[int]) -> int:
-    """How many prompts a pool is scored at a time: the fewest whose images fill whole batches of every reward
-    (so every reward sees exactly the batches of one call over the whole pool, the same numbers to the last
-    digit) while memory holds that many prompts' images, not the pool."""
-    step = 1
-    for size in batch_sizes:
-        need = size // math.gcd(images_per_prompt, size)
-        step = step * need // math.gcd(step, need)
-    return step
-
-
 def _score_pool(ctx: StageContext, pool: CandidatePool) -> dict[str, np.ndarray]:
     """Rewards of every image of ``pool`` (its arrays may be lazy): name -> float32 ``[P * N]``, read and scored
-    ``prompts_per_read`` prompts at a time."""
+    ``prompts_per_part`` prompts at a time (whole batches of every reward)."""
     P, N = pool.seeds.shape
     names = ctx.cfg.reward.weights
     frames = 1
     if pool.images.ndim == 6:  # videos: the reward sees every frame_stride-th frame of each
         frames = len(range(0, pool.images.shape[2], ctx.cfg.reward.frame_stride))
-    step = min(P, prompts_per_read(N * frames, _reward_batches(ctx, names)))
+    step = min(P, prompts_per_part(N * frames, _reward_batches(ctx, names)))
     metadata = ctx.train_metadata(pool.prompt_index, N)
     parts: list[dict[str, np.ndarray]] = []
     try:

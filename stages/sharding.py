@@ -7,7 +7,21 @@ shards' outputs, and the result does not depend on how many shards computed it.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+
+def prompts_per_part(items_per_prompt: int, batch_sizes: Sequence[int]) -> int:
+    """How many prompts a stage streams at a time (explore sampling and writing its pool, score reading and
+    scoring it): the fewest whose items (``items_per_prompt`` each: candidates, or the frames scored) fill whole
+    batches of every size in ``batch_sizes``, the least common multiple of ``size / gcd(items_per_prompt, size)``.
+    Every batch is then exactly one of a single call over all prompts (the same numbers to the last digit on a
+    CPU whose GEMM is not batch-invariant) while memory holds those prompts only, not the iteration's."""
+    step = 1
+    for size in batch_sizes:
+        step = math.lcm(step, size // math.gcd(items_per_prompt, size))
+    return step
 
 
 @dataclass(frozen=True)

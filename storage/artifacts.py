@@ -410,7 +410,7 @@ class ZarrWriter:
             ValueError: an unknown array name, a shape that disagrees with the dimension names or with the
                 array's earlier regions, or a region outside the prompt axis.
         """
-        name_of = type(self.artifact).__name__ if not isinstance(self.artifact, type) else self.artifact.__name__
+        name_of = self.artifact.__name__
         for name, data in arrays.items():
             if data is None:
                 continue

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 
 import numpy as np
 import pandas as pd
@@ -26,10 +26,12 @@ from solrl.storage.artifacts import (
     FidelityTable,
     RegeneratedRewards,
     Selection,
+    TableArtifact,
 )
 from solrl.storage.stage import MANIFEST, StageManifest, iteration_dir, read_manifest, stage_dir
 
 StageState = Literal["committed", "corrupted", "incomplete", "missing"]
+T = TypeVar("T", bound=TableArtifact)
 
 
 #: The stages whose Parquet tables ``audit_iteration`` reads: small, and hashed before they are read.
@@ -130,16 +132,23 @@ def audit_iteration(run_dir: Path, iteration: int, due: Sequence[str]) -> Iterat
         if manifest is not None:
             manifests[stage] = manifest
     found = IterationAudit(iteration, states, manifests)
-    explore_rewards = ExploreRewards.load(run_dir, iteration) if "score_explore" in manifests else None
-    regenerated = RegeneratedRewards.load(run_dir, iteration) if "score_regenerate" in manifests else None
+
+    def table(artifact: type[T]) -> T | None:  # its stage was verified (READ_TABLES) just now: read, not load
+        if artifact.stage not in manifests:
+            return None
+        return artifact.read(
+            stage_dir(run_dir, iteration, artifact.stage) / manifests[artifact.stage].prefix / artifact.filename
+        )
+
+    explore_rewards, regenerated = table(ExploreRewards), table(RegeneratedRewards)
     if explore_rewards is not None:
         found.pool = pool_summary(explore_rewards)
-    if "select" in manifests:
-        found.selection = selection_table(Selection.load(run_dir, iteration), regenerated)
-    if "score_regenerate" in manifests:
-        found.fidelity = FidelityTable.load(run_dir, iteration).frame
-    if "audit" in manifests:
-        found.audit_pool = AuditPool.load(run_dir, iteration).frame
+    if (selection := table(Selection)) is not None:
+        found.selection = selection_table(selection, regenerated)
+    if (fidelity := table(FidelityTable)) is not None:
+        found.fidelity = fidelity.frame
+    if (pool := table(AuditPool)) is not None:
+        found.audit_pool = pool.frame
     return found
 
 

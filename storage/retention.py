@@ -40,12 +40,7 @@ def kept(cfg: RunConfig, iteration: int, latest: int) -> bool:
 
 def _arrays(artifact: type[ZarrArtifact], manifest: StageManifest, names: Iterable[str], why: str) -> dict[str, str]:
     """The arrays ``names`` that ``manifest`` holds and has not pruned, each with ``why``."""
-    wanted = {}
-    for name in names:
-        folder = artifact.array_folder(name)
-        if folder not in manifest.pruned and any(rel.startswith(f"{folder}/") for rel in manifest.files):
-            wanted[name] = why
-    return wanted
+    return {name: why for name in names if manifest.holds(artifact.array_folder(name))}
 
 
 def planned(cfg: RunConfig, run_dir: Path, iteration: int, latest: int) -> dict[str, dict[str, str]]:
@@ -62,9 +57,7 @@ def planned(cfg: RunConfig, run_dir: Path, iteration: int, latest: int) -> dict[
             names, why = CandidatePool.lazy, RETENTION
         elif mode == "rankings":
             names, why = CandidatePool.lazy, POOL_MODE.format(mode=mode)
-        elif mode == "latents" and any(
-            rel.startswith(f"{CandidatePool.array_folder('latents')}/") for rel in explore.files
-        ):
+        elif mode == "latents" and explore.holds(CandidatePool.array_folder("latents")):
             names, why = ("images",), POOL_MODE.format(mode=mode)  # a pool without latents keeps its images
         else:
             names, why = (), ""

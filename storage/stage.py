@@ -115,6 +115,10 @@ class StageManifest(BaseModel):
         """Whether file ``rel`` of ``files`` lies in a pruned folder."""
         return any(rel == folder or rel.startswith(f"{folder}/") for folder in self.pruned)
 
+    def holds(self, folder: str) -> bool:
+        """Whether ``folder`` (or the file of that name) has files in ``files`` and is not pruned."""
+        return folder not in self.pruned and any(rel == folder or rel.startswith(f"{folder}/") for rel in self.files)
+
     def present(self) -> dict[str, FileEntry]:
         """What the stage's folder holds now: the entries of ``files`` not pruned, as ``rewritten`` where
         rewritten."""
@@ -348,12 +352,13 @@ def _read_remote_manifest(
         return manifest if all(sizes.get(rel) == entry.size for rel, entry in manifest.present().items()) else None
     folder = directory / manifest.prefix
     present = manifest.present()
-    if defer is not None and not verify:
+    deferred = {rel for rel in present if defer(rel)} if defer is not None and not verify else set()
+    if deferred:
         sizes = store.sizes(attempt)  # what is left on the store is checked there, by size
-        if any(sizes.get(rel) != entry.size for rel, entry in present.items() if defer(rel)):
+        if any(sizes.get(rel) != present[rel].size for rel in deferred):
             return None
     for rel, entry in present.items():
-        if defer is not None and not verify and defer(rel):
+        if rel in deferred:
             continue
         path = folder / rel
         if path.is_file() and path.stat().st_size == entry.size and (not verify or _sha256(path) == entry.sha256):
@@ -706,12 +711,7 @@ def prune(
     manifest = read_manifest(run_dir, iteration, stage)
     if manifest is None:
         raise StageNotCommitted(f"iteration {iteration} stage {stage!r} has no valid manifest in {run_dir}")
-    new = {
-        folder: why
-        for folder, why in folders.items()
-        if folder not in manifest.pruned
-        and any(rel.startswith(f"{folder}/") or rel == folder for rel in manifest.files)
-    }
+    new = {folder: why for folder, why in folders.items() if manifest.holds(folder)}
     if not new:
         return 0
     before = sum(e.size for e in manifest.present().values())

@@ -13,8 +13,7 @@ from conftest import flip_middle_byte, tiny_config
 from typer.testing import CliRunner
 
 from solrl.cli import app
-from solrl.stages.explore import prompts_per_write
-from solrl.stages.score import prompts_per_read
+from solrl.stages.sharding import prompts_per_part
 from solrl.storage import stage as stage_module
 from solrl.storage.artifacts import CHUNK_BYTES, CandidatePool, LazyArray, chunk_shape
 from solrl.storage.stage import StageOutput, commit, read_manifest, require, run_or_skip, stage_dir, verify_run
@@ -94,10 +93,10 @@ def test_chunks_hold_one_prompt_and_a_few_candidates():
 def test_streamed_explore_and_score_keep_every_batch_whole():
     """A group of prompts whose candidates fill whole batches: the batches of one call over the whole pool."""
     for pool, batch in [(96, 24), (32, 256), (8, 256), (96, 64), (10, 4), (7, 3)]:
-        step = prompts_per_write(pool, batch)
+        step = prompts_per_part(pool, [batch])
         assert (step * pool) % batch == 0 and all((s * pool) % batch for s in range(1, step))
-    assert prompts_per_read(96, [32, 64]) == 2 and prompts_per_read(32, [32]) == 1 and prompts_per_read(8, []) == 1
-    assert prompts_per_read(10, [4, 6]) == 6  # 60 images: whole batches of 4 and of 6
+    assert prompts_per_part(96, [32, 64]) == 2 and prompts_per_part(32, [32]) == 1 and prompts_per_part(8, []) == 1
+    assert prompts_per_part(10, [4, 6]) == 6  # 60 images: whole batches of 4 and of 6
 
 
 def _files(out: Path) -> StageOutput:
