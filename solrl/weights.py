@@ -3,11 +3,11 @@
 A published family (SANA, FLUX.1, SD3.5, Z-Image, Qwen-Image, FLUX.2-klein, Wan2.1) reads a diffusers pipeline folder
 from ``model.path``: a local folder, or a Hugging Face hub id read from the local hub cache (downloaded by diffusers
 only when ``HF_HUB_OFFLINE=0``).
-Their ``PublishedWeights`` are declared here rather than in the adapter modules so that ``solrl run`` and
-``solrl resume`` can refuse a preset whose weights are not on the machine before they import torch (about a
-second on its own): the error comes at once, names the missing path and where the weights are published. The
-adapters (``solrl.stages.models``) read the same declarations, so each fact is written once; a third-party
-family is checked by its own ``check_runnable`` after its import instead.
+Each adapter declares its published weights as literal class attributes (``hub_id``, ``weights_hint``,
+``published_variants``), which the model registry reads from its source without importing it, so that ``solrl
+run`` and ``solrl resume`` refuse a preset whose weights are not on the machine before they import torch (about a
+second on its own): the error comes at once, names the missing path and where the weights are published. A
+third-party family is checked by its own ``check_runnable`` after its import instead.
 """
 
 from __future__ import annotations
@@ -89,71 +89,24 @@ class PublishedWeights:
                 raise ConfigError(f"model.path: {root / rel} is missing ({family} weights); weights: {self.hint}")
 
 
-#: The published families, by ``model.family``.
-PUBLISHED: dict[str, PublishedWeights] = {
-    "sana": PublishedWeights(
-        "Efficient-Large-Model/Sana_1600M_1024px_diffusers",
-        "https://huggingface.co/Efficient-Large-Model/Sana_1600M_1024px_diffusers",
-    ),
-    "flux": PublishedWeights(
-        "black-forest-labs/FLUX.1-dev",
-        "https://huggingface.co/black-forest-labs/FLUX.1-dev (gated: accept the licence)",
-    ),
-    "sd3": PublishedWeights(
-        "stabilityai/stable-diffusion-3.5-large",
-        "https://huggingface.co/stabilityai/stable-diffusion-3.5-large (gated: accept the licence)",
-    ),
-    "flux2": PublishedWeights(
-        "black-forest-labs/FLUX.2-dev",
-        "https://huggingface.co/black-forest-labs/FLUX.2-dev (gated: accept the FLUX non-commercial licence)",
-    ),
-    "flux2-klein": PublishedWeights(
-        "black-forest-labs/FLUX.2-klein-4B", "https://huggingface.co/black-forest-labs/FLUX.2-klein-4B (Apache-2.0)"
-    ),
-    "qwen-image": PublishedWeights("Qwen/Qwen-Image", "https://huggingface.co/Qwen/Qwen-Image (Apache-2.0)"),
-    "wan": PublishedWeights(
-        "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "https://huggingface.co/Wan-AI/Wan2.1-T2V-1.3B-Diffusers (Apache-2.0)"
-    ),
-    "z-image": PublishedWeights(
-        "Tongyi-MAI/Z-Image-Turbo",
-        "https://huggingface.co/Tongyi-MAI/Z-Image-Turbo (Apache-2.0)",
-    ),
-}
-
-
-#: Other published checkpoints of a family (``PUBLISHED`` holds the one its presets were first written for).
-PUBLISHED_VARIANTS: dict[str, tuple[PublishedWeights, ...]] = {
-    "sd3": (
-        PublishedWeights(
-            "stabilityai/stable-diffusion-3.5-medium",
-            "https://huggingface.co/stabilityai/stable-diffusion-3.5-medium (gated: accept the licence)",
-        ),
-    ),
-    "flux2-klein": (
-        PublishedWeights(
-            "black-forest-labs/FLUX.2-klein-9B",
-            "https://huggingface.co/black-forest-labs/FLUX.2-klein-9B (gated: accept the FLUX non-commercial licence)",
-        ),
-    ),
-    "wan": (
-        PublishedWeights(
-            "Wan-AI/Wan2.1-T2V-14B-Diffusers", "https://huggingface.co/Wan-AI/Wan2.1-T2V-14B-Diffusers (Apache-2.0)"
-        ),
-    ),
-    "z-image": (PublishedWeights("Tongyi-MAI/Z-Image", "https://huggingface.co/Tongyi-MAI/Z-Image (Apache-2.0)"),),
-}
-
-
 def published_weights(family: str, path: str | None) -> PublishedWeights | None:
-    """The published checkpoint ``model.path`` names: a variant of the family whose hub id is the path, or whose
-    repository name is the path's last folder (a local copy); else the family's ``PUBLISHED`` entry (None for a
-    family that has none)."""
+    """The published checkpoint ``model.path`` names, as the family's adapter declares it (``hub_id``,
+    ``weights_hint``, ``published_variants``), read without importing the adapter (``Registry.declared``): a
+    variant whose hub id is the path, or whose repository name is the path's last folder (a local copy); else the
+    family's own ``hub_id``; None for a family that declares none (a tiny twin, tiny-digits).
+
+    Raises:
+        ValueError: ``family`` is not registered.
+    """
+    from solrl.registry import MODELS
+
     if path:
         name = Path(path).expanduser().name
-        for variant in PUBLISHED_VARIANTS.get(family, ()):
-            if path == variant.hub_id or name == variant.hub_id.rsplit("/", 1)[-1]:
-                return variant
-    return PUBLISHED.get(family)
+        for hub_id, hint in MODELS.declared(family, "published_variants", ()):
+            if path == hub_id or name == hub_id.rsplit("/", 1)[-1]:
+                return PublishedWeights(hub_id, hint)
+    hub_id = MODELS.declared(family, "hub_id")
+    return PublishedWeights(hub_id, MODELS.declared(family, "weights_hint", "")) if hub_id else None
 
 
 def check_published_weights(model: ModelConfig) -> None:

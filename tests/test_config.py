@@ -209,6 +209,53 @@ def test_a_plugin_registers_under_its_name_and_the_schema_accepts_it():
         LOSSES.register("nft")(type("Other", (NFT,), {}))
 
 
+def test_registries_list_and_declare_the_builtin_plugins_without_importing_them():
+    """Issue 37: listing a registry and reading a family's published weights imports no plug-in, nor torch."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\nfrom solrl.registry import EXPLORE_BACKENDS, LOSSES, MODELS, REWARDS\n"
+        "from solrl.weights import published_weights\n"
+        "names = [len(r.names()) for r in (MODELS, REWARDS, EXPLORE_BACKENDS, LOSSES)]\n"
+        "hub = published_weights('sd3', '/w/stable-diffusion-3.5-medium').hub_id\n"
+        "print(names, hub, published_weights('tiny-sd3', None), 'torch' in sys.modules,\n"
+        "      sorted(m for m in sys.modules if m.startswith('solrl.stages.')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.split()
+    assert out[-4:] == ["stabilityai/stable-diffusion-3.5-medium", "None", "False", "[]"], out
+
+
+def test_a_module_registers_by_being_in_the_package_and_is_imported_when_its_name_is_used(tmp_path, monkeypatch):
+    import sys
+
+    from solrl.registry import Registry
+
+    package = tmp_path / "probe_plugins"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (tmp_path / "probe_registry.py").write_text(
+        "from solrl.registry import Registry\nPROBES = Registry('probe', 'probe_plugins', 'register_probe')\n"
+        "register_probe = PROBES.register\n"
+    )
+    (package / "fancy.py").write_text(
+        "from probe_registry import register_probe\n"
+        "@register_probe('fancy')\nclass Fancy:\n    hub_id = 'org/fancy'\n    size = 2 ** 3\n"
+    )
+    (package / "twice.py").write_text("@register_probe('fancy')\nclass Again: ...\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert Registry("probe", "probe_plugins", "register_other").names() == []
+    with pytest.raises(ValueError, match="'fancy' is registered by probe_plugins.fancy and probe_plugins.twice"):
+        Registry("probe", "probe_plugins", "register_probe").names()
+    (package / "twice.py").unlink()
+    from probe_registry import PROBES
+
+    assert PROBES.names() == ["fancy"] and "probe_plugins.fancy" not in sys.modules
+    assert PROBES.declared("fancy", "hub_id") == "org/fancy" and PROBES.declared("fancy", "size", 0) == 0  # no eval
+    fancy = PROBES.get("fancy")  # imported now
+    assert "probe_plugins.fancy" in sys.modules and fancy.__name__ == "Fancy"
+
+
 def test_changed_by_names_only_the_overrides_that_would_change_a_stored_config(tmp_path: Path):
     """The input of the report: a retry of a run with 3 iterations, given campaign.iterations=3 again, logged
     ``ignored ['campaign.iterations=3']`` though nothing changed."""

@@ -1,6 +1,5 @@
 """Policy losses (``train.loss`` plug-ins) and group-relative advantages."""
 
-from solrl.stages.losses import grpo, nft
 from solrl.stages.losses.base import Batch, PolicyLoss
 
-__all__ = ["Batch", "PolicyLoss", "grpo", "nft"]
+__all__ = ["Batch", "PolicyLoss"]

@@ -64,7 +64,8 @@ def solrl_cache() -> Path:
 class DiffusersFamily(ModelAdapter):
     """A family whose weights are a diffusers pipeline folder (``model_index.json`` and component folders)."""
 
-    #: Published weights (a hub id; built-in families take it from ``solrl.weights.PUBLISHED``).
+    #: Published weights: the hub id (with ``weights_hint`` and ``published_variants``, literals the registry reads
+    #: without importing the adapter, for the weights check before torch; ``solrl.weights.published_weights``).
     hub_id: ClassVar[str] = ""
     default_resolution: ClassVar[int]
     #: Pixels per latent token along a side for the published VAE and patch size: resolutions are multiples.

@@ -21,7 +21,6 @@ from torch import nn
 from solrl.registry import register_model
 from solrl.stages.models.adapter import Conditioning
 from solrl.stages.models.diffusers_family import DiffusersFamily, TinyFamily
-from solrl.weights import PUBLISHED
 
 
 @register_model("flux")
@@ -30,8 +29,8 @@ class Flux(DiffusersFamily):
     """FLUX.1 from a diffusers-format folder (e.g. ``black-forest-labs/FLUX.1-dev``)."""
 
     name: ClassVar[str] = "flux"
-    hub_id: ClassVar[str] = PUBLISHED["flux"].hub_id
-    weights_hint: ClassVar[str] = PUBLISHED["flux"].hint
+    hub_id: ClassVar[str] = "black-forest-labs/FLUX.1-dev"
+    weights_hint: ClassVar[str] = "https://huggingface.co/black-forest-labs/FLUX.1-dev (gated: accept the licence)"
     pipeline_class: ClassVar[str] = "FluxPipeline"
     lora_targets: ClassVar[tuple[str, ...]] = ("to_q", "to_k", "to_v", "to_out.0")
     nvfp4_skip: ClassVar[tuple[str, ...]] = ("x_embedder", "context_embedder", "time_text_embed", "norm_out")

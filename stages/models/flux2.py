@@ -34,7 +34,6 @@ from torch import nn
 from solrl.registry import register_model
 from solrl.stages.models.adapter import Conditioning
 from solrl.stages.models.diffusers_family import DiffusersFamily, TinyFamily
-from solrl.weights import PUBLISHED
 
 _DOUBLE = r"attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)|ff(_context)?\.linear_(in|out)"
 
@@ -65,8 +64,14 @@ class Flux2Klein(DiffusersFamily):
     """FLUX.2-klein from a diffusers-format folder (e.g. ``black-forest-labs/FLUX.2-klein-4B``)."""
 
     name: ClassVar[str] = "flux2-klein"
-    hub_id: ClassVar[str] = PUBLISHED["flux2-klein"].hub_id
-    weights_hint: ClassVar[str] = PUBLISHED["flux2-klein"].hint
+    hub_id: ClassVar[str] = "black-forest-labs/FLUX.2-klein-4B"
+    weights_hint: ClassVar[str] = "https://huggingface.co/black-forest-labs/FLUX.2-klein-4B (Apache-2.0)"
+    published_variants: ClassVar[tuple[tuple[str, str], ...]] = (
+        (
+            "black-forest-labs/FLUX.2-klein-9B",
+            "https://huggingface.co/black-forest-labs/FLUX.2-klein-9B (gated: accept the FLUX non-commercial licence)",
+        ),
+    )
     pipeline_class: ClassVar[str] = "Flux2KleinPipeline"
     lora_targets: ClassVar[str] = (
         rf"transformer_blocks\.\d+\.({_DOUBLE})|single_transformer_blocks\.\d+\.attn\.(to_qkv_mlp_proj|to_out)"
@@ -209,8 +214,11 @@ class Flux2(Flux2Klein):
     """FLUX.2-dev from a diffusers-format folder (``black-forest-labs/FLUX.2-dev``)."""
 
     name: ClassVar[str] = "flux2"
-    hub_id: ClassVar[str] = PUBLISHED["flux2"].hub_id
-    weights_hint: ClassVar[str] = PUBLISHED["flux2"].hint
+    hub_id: ClassVar[str] = "black-forest-labs/FLUX.2-dev"
+    weights_hint: ClassVar[str] = (
+        "https://huggingface.co/black-forest-labs/FLUX.2-dev (gated: accept the FLUX non-commercial licence)"
+    )
+    published_variants: ClassVar[tuple[tuple[str, str], ...]] = ()  # not FLUX.2-klein's
     pipeline_class: ClassVar[str] = "Flux2Pipeline"
     #: The Mistral-3 layers whose hidden states make the prompt embedding (the pipeline's default).
     text_encoder_out_layers: ClassVar[tuple[int, ...]] = (10, 20, 30)

@@ -30,7 +30,6 @@ from torch import nn
 from solrl.registry import register_model
 from solrl.stages.models.adapter import Conditioning
 from solrl.stages.models.diffusers_family import DiffusersFamily, TinyFamily, decode_wan_vae
-from solrl.weights import PUBLISHED
 
 
 @register_model("qwen-image")
@@ -39,8 +38,8 @@ class QwenImage(DiffusersFamily):
     """Qwen-Image from a diffusers-format folder (e.g. ``Qwen/Qwen-Image``)."""
 
     name: ClassVar[str] = "qwen-image"
-    hub_id: ClassVar[str] = PUBLISHED["qwen-image"].hub_id
-    weights_hint: ClassVar[str] = PUBLISHED["qwen-image"].hint
+    hub_id: ClassVar[str] = "Qwen/Qwen-Image"
+    weights_hint: ClassVar[str] = "https://huggingface.co/Qwen/Qwen-Image (Apache-2.0)"
     pipeline_class: ClassVar[str] = "QwenImagePipeline"
     lora_targets: ClassVar[tuple[str, ...]] = (
         "attn.to_q",

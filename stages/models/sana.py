@@ -19,7 +19,6 @@ from torch import nn
 from solrl.registry import register_model
 from solrl.stages.models.adapter import Conditioning
 from solrl.stages.models.diffusers_family import DiffusersFamily, TinyFamily
-from solrl.weights import PUBLISHED
 
 
 @register_model("sana")
@@ -28,8 +27,8 @@ class Sana(DiffusersFamily):
     """SANA from a diffusers-format folder (e.g. ``Efficient-Large-Model/Sana_1600M_1024px_diffusers``)."""
 
     name: ClassVar[str] = "sana"
-    hub_id: ClassVar[str] = PUBLISHED["sana"].hub_id
-    weights_hint: ClassVar[str] = PUBLISHED["sana"].hint
+    hub_id: ClassVar[str] = "Efficient-Large-Model/Sana_1600M_1024px_diffusers"
+    weights_hint: ClassVar[str] = "https://huggingface.co/Efficient-Large-Model/Sana_1600M_1024px_diffusers"
     pipeline_class: ClassVar[str] = "SanaPipeline"
     lora_targets: ClassVar[tuple[str, ...]] = ("to_q", "to_k", "to_v", "to_out.0")  # attn1 and attn2
     repeated_blocks: ClassVar[tuple[str, ...]] = ("SanaTransformerBlock",)

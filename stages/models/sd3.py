@@ -19,7 +19,6 @@ from torch import nn
 from solrl.registry import register_model
 from solrl.stages.models.adapter import Conditioning
 from solrl.stages.models.diffusers_family import DiffusersFamily, TinyFamily
-from solrl.weights import PUBLISHED
 
 
 @register_model("sd3")
@@ -28,8 +27,16 @@ class SD3(DiffusersFamily):
     """SD3 / SD3.5 from a diffusers-format folder (e.g. ``stabilityai/stable-diffusion-3.5-large``)."""
 
     name: ClassVar[str] = "sd3"
-    hub_id: ClassVar[str] = PUBLISHED["sd3"].hub_id
-    weights_hint: ClassVar[str] = PUBLISHED["sd3"].hint
+    hub_id: ClassVar[str] = "stabilityai/stable-diffusion-3.5-large"
+    weights_hint: ClassVar[str] = (
+        "https://huggingface.co/stabilityai/stable-diffusion-3.5-large (gated: accept the licence)"
+    )
+    published_variants: ClassVar[tuple[tuple[str, str], ...]] = (
+        (
+            "stabilityai/stable-diffusion-3.5-medium",
+            "https://huggingface.co/stabilityai/stable-diffusion-3.5-medium (gated: accept the licence)",
+        ),
+    )
     pipeline_class: ClassVar[str] = "StableDiffusion3Pipeline"
     #: The joint attention of every block, its context projections (``add_*``) included, as Sol-RL, DiffusionNFT and
     #: Flow-GRPO train SD3.5. ``attn.`` keeps SD3.5-Medium's second attention (``attn2`` of its MMDiT-X blocks)

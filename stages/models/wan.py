@@ -29,7 +29,6 @@ from solrl.config import ConfigError, ModelConfig, RunConfig
 from solrl.registry import register_model
 from solrl.stages.models.adapter import Conditioning
 from solrl.stages.models.diffusers_family import DiffusersFamily, TinyFamily, decode_wan_vae
-from solrl.weights import PUBLISHED
 
 
 @register_model("wan")
@@ -39,8 +38,11 @@ class Wan(DiffusersFamily):
 
     name: ClassVar[str] = "wan"
     video: ClassVar[bool] = True
-    hub_id: ClassVar[str] = PUBLISHED["wan"].hub_id
-    weights_hint: ClassVar[str] = PUBLISHED["wan"].hint
+    hub_id: ClassVar[str] = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
+    weights_hint: ClassVar[str] = "https://huggingface.co/Wan-AI/Wan2.1-T2V-1.3B-Diffusers (Apache-2.0)"
+    published_variants: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("Wan-AI/Wan2.1-T2V-14B-Diffusers", "https://huggingface.co/Wan-AI/Wan2.1-T2V-14B-Diffusers (Apache-2.0)"),
+    )
     pipeline_class: ClassVar[str] = "WanPipeline"
     lora_targets: ClassVar[tuple[str, ...]] = (
         "attn1.to_q",

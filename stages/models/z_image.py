@@ -28,7 +28,6 @@ from torch import nn
 from solrl.registry import register_model
 from solrl.stages.models.adapter import Conditioning
 from solrl.stages.models.diffusers_family import DiffusersFamily, TinyFamily
-from solrl.weights import PUBLISHED
 
 
 @register_model("z-image")
@@ -37,8 +36,11 @@ class ZImage(DiffusersFamily):
     """Z-Image from a diffusers-format folder (e.g. ``Tongyi-MAI/Z-Image-Turbo``)."""
 
     name: ClassVar[str] = "z-image"
-    hub_id: ClassVar[str] = PUBLISHED["z-image"].hub_id
-    weights_hint: ClassVar[str] = PUBLISHED["z-image"].hint
+    hub_id: ClassVar[str] = "Tongyi-MAI/Z-Image-Turbo"
+    weights_hint: ClassVar[str] = "https://huggingface.co/Tongyi-MAI/Z-Image-Turbo (Apache-2.0)"
+    published_variants: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("Tongyi-MAI/Z-Image", "https://huggingface.co/Tongyi-MAI/Z-Image (Apache-2.0)"),
+    )
     pipeline_class: ClassVar[str] = "ZImagePipeline"
     lora_targets: ClassVar[tuple[str, ...]] = (
         "attention.to_q",

@@ -1,10 +1,9 @@
 """Rewards: uint8 images ``[B, H, W, 3]`` + prompts + metadata -> float32 ``[B]``, higher is better (DESIGN 6).
 
-Each reward is a ``Reward`` plug-in registered under its name; importing this package registers the built-in
-ones.
+Each reward is a ``Reward`` plug-in registered under its name; a reward module here registers by being here
+(``solrl.registry.scan``) and is imported when its name is used.
 """
 
-from solrl.stages.rewards import clip, digits, hps, imagereward, jpeg, ocr
 from solrl.stages.rewards.base import (
     Reward,
     RewardError,
@@ -20,12 +19,6 @@ __all__ = [
     "RewardError",
     "RewardOptions",
     "build_reward",
-    "clip",
-    "digits",
-    "hps",
-    "imagereward",
-    "jpeg",
-    "ocr",
     "release_rewards",
     "reward_options",
     "score_all",
