@@ -65,7 +65,8 @@ def audit(
         ).samples
     metadata = ctx.train_metadata(pool.prompt_index[groups], N)
     images = policy.model.decode(samples)
-    values = score_images(ctx, images, prompts, ctx.cfg.reward.weights, metadata)
+    scores = score_images(ctx, images, prompts, ctx.cfg.reward.weights, metadata, group_size=N)
+    values = {name: scored.values for name, scored in scores.items()}
     bf16 = sum(v * ctx.cfg.reward.weights[name] for name, v in values.items()).reshape(len(groups), N)
     table = AuditPool(
         pd.DataFrame(

@@ -71,7 +71,8 @@ def evaluate(ctx: StageContext, out: Path, trained: TrainedPolicy | None, *, sha
     images = policy.model.decode(samples)
     grid = images.reshape(len(prompts), S, *images.shape[1:])
     metadata = [evaluation.metadata[p] for p in positions for _ in range(S)] if evaluation.has_metadata() else None
-    values = score_images(ctx, images, flat, dict.fromkeys(eval_rewards(ctx), 1.0), metadata)
+    scores = score_images(ctx, images, flat, dict.fromkeys(eval_rewards(ctx), 1.0), metadata, group_size=S)
+    values = {name: scored.values for name, scored in scores.items()}
     drawn = EvalSamples(
         images=grid,
         seeds=seeds,

@@ -10,7 +10,7 @@ import pandas as pd
 from solrl.stages.context import StageContext
 from solrl.stages.guards import fidelity_alarm
 from solrl.stages.metrics.fidelity import group_agreement, rank_agreement
-from solrl.stages.rewards import build_reward, release_rewards, score_all
+from solrl.stages.rewards import Reward, Scores, build_reward, release_rewards, score_all
 from solrl.stages.sharding import WHOLE, Shard, prompts_per_part
 from solrl.storage.artifacts import CandidatePool, ExploreRewards, FidelityTable, RegeneratedRewards, Samples, Selection
 from solrl.storage.stage import StageOutput
@@ -23,19 +23,27 @@ def score_images(
     names: dict[str, float],
     metadata: list[dict] | None = None,
     *,
+    group_size: int | None = None,
     release: bool = True,
-) -> dict[str, np.ndarray]:
-    """Rewards of uint8 ``[B, H, W, 3]`` images (and each image's prompt metadata, if any): name -> float32
-    ``[B]``, each reward built with its ``reward.models`` options (once per process), those not kept loaded
-    freed afterwards unless ``release=False`` (a caller scoring a pool a few prompts at a time frees them at
-    its end). Videos ``[B, F, H, W, 3]`` are scored through their frames (``score_videos``). RewardError on
-    NaN."""
+) -> dict[str, Scores]:
+    """Rewards of uint8 ``[B, H, W, 3]`` images or ``[B, F, H, W, 3]`` videos (and each one's prompt metadata, if
+    any; ``group_size`` consecutive images per prompt group, for a group reward, default all): name -> ``Scores``
+    (values float32 ``[B]``, and the reward's extra columns), each reward built with its
+    ``reward.models`` options (once per process), those not kept loaded freed afterwards unless ``release=False``
+    (a caller scoring a pool a few prompts at a time frees them at its end). A reward that takes images scores
+    videos through their frames (``score_videos``); one that takes videos or groups gets them whole. RewardError
+    on NaN."""
     try:
-        if images.ndim == 5:
-            return score_videos(ctx, images, prompts, names, metadata)
         models = ctx.cfg.reward.models
         rewards = {name: (build_reward(name, ctx.device, models.get(name)), w) for name, w in names.items()}
-        return score_all(rewards, images, prompts, metadata)
+        if images.ndim == 5:
+            framewise = {name: r for name, r in rewards.items() if r[0].inputs == "image"}
+            whole = {name: r for name, r in rewards.items() if r[0].inputs != "image"}
+            scored = score_videos(ctx, images, prompts, framewise, metadata) | score_all(
+                whole, images, prompts, metadata, group_size
+            )
+            return {name: scored[name] for name in names}
+        return score_all(rewards, images, prompts, metadata, group_size)
     finally:
         if release:
             release_rewards(list(names))
@@ -45,76 +53,92 @@ def score_videos(
     ctx: StageContext,
     videos: np.ndarray,
     prompts: list[str],
-    names: dict[str, float],
+    rewards: dict[str, tuple[Reward, float]],
     metadata: list[dict] | None = None,
-) -> dict[str, np.ndarray]:
-    """Rewards of uint8 videos ``[B, F, H, W, 3]`` by an image reward: every ``reward.frame_stride``-th frame
-    (the first included) is scored as an image with its video's prompt, and a video's reward is the ``mean`` or
-    ``min`` of its frames' (``reward.video``), as Flow-GRPO and Flow-Factory score Wan videos with PickScore and
-    HPS (frame mean). Returns name -> float32 ``[B]``."""
+) -> dict[str, Scores]:
+    """Rewards of uint8 videos ``[B, F, H, W, 3]`` by image rewards (``rewards``: name -> (reward, weight)): every
+    ``reward.frame_stride``-th frame (the first included) is scored as an image with its video's prompt, and a
+    video's reward is the ``mean`` or ``min`` of its frames' (``reward.video``), as Flow-GRPO and Flow-Factory
+    score Wan videos with PickScore and HPS (frame mean); an extra column is its first frame's. Returns name ->
+    ``Scores`` (values float32 ``[B]``)."""
+    if not rewards:
+        return {}
     frames = videos[:, :: ctx.cfg.reward.frame_stride]  # [B, F', H, W, 3]
     B, F = frames.shape[:2]
-    per_frame = score_images(
-        ctx,
+    per_frame = score_all(
+        rewards,
         frames.reshape(B * F, *frames.shape[2:]),
         [p for p in prompts for _ in range(F)],
-        names,
         None if metadata is None else [m for m in metadata for _ in range(F)],
-        release=False,
     )
     reduce = np.mean if ctx.cfg.reward.video == "mean" else np.min
-    return {name: reduce(value.reshape(B, F), axis=1).astype(np.float32) for name, value in per_frame.items()}
+    first = np.arange(B) * F
+    return {
+        name: Scores(reduce(s.values.reshape(B, F), axis=1).astype(np.float32), s.take(first).columns)
+        for name, s in per_frame.items()
+    }
 
 
 def rewards_table(
     pool: CandidatePool,
     candidate_index: np.ndarray,
-    values: dict[str, np.ndarray],
+    scores: dict[str, Scores],
     weights: dict[str, float],
     groups: range | None = None,
 ) -> pd.DataFrame:
     """Long table: one row per (candidate, reward): group, prompt_index, prompt, candidate_index, seed, reward,
-    value, weight, weighted (= value * weight), precision. ``candidate_index`` int ``[P, N]``; ``groups`` the
-    pool's group numbers (default ``range(P)``; a shard's positions)."""
+    value, weight, weighted (= value * weight), precision, then the rewards' extra columns (empty in the rows of a
+    reward without them). ``candidate_index`` int ``[P, N]``; ``groups`` the pool's group numbers (default
+    ``range(P)``; a shard's positions).
+
+    Raises:
+        ValueError: a reward's extra column has the name of one of the table's own.
+    """
     P, N = pool.seeds.shape
     groups = range(P) if groups is None else groups
     frames = []
-    for name, value in values.items():
-        frames.append(
-            pd.DataFrame(
-                {
-                    "group": np.repeat(np.asarray(groups, dtype=np.int64), N),
-                    "prompt_index": np.repeat(pool.prompt_index, N),
-                    "prompt": np.repeat(np.array(pool.prompts, dtype=object), N),
-                    "candidate_index": candidate_index.reshape(-1).astype(np.int64),
-                    "seed": pool.seeds.reshape(-1),
-                    "reward": name,
-                    "value": value.astype(np.float32),
-                    "weight": np.float32(weights[name]),
-                    "weighted": (value * weights[name]).astype(np.float32),
-                    "precision": pool.attrs["precision"],
-                }
-            )
+    for name, scored in scores.items():
+        value = scored.values
+        frame = pd.DataFrame(
+            {
+                "group": np.repeat(np.asarray(groups, dtype=np.int64), N),
+                "prompt_index": np.repeat(pool.prompt_index, N),
+                "prompt": np.repeat(np.array(pool.prompts, dtype=object), N),
+                "candidate_index": candidate_index.reshape(-1).astype(np.int64),
+                "seed": pool.seeds.reshape(-1),
+                "reward": name,
+                "value": value.astype(np.float32),
+                "weight": np.float32(weights[name]),
+                "weighted": (value * weights[name]).astype(np.float32),
+                "precision": pool.attrs["precision"],
+            }
         )
+        for column, cells in scored.columns.items():
+            if column in frame.columns:
+                raise ValueError(f"reward {name}: its extra column {column!r} is one of the rewards table's own")
+            frame[column] = pd.Series(cells, dtype=object)
+        frames.append(frame)
     return pd.concat(frames, ignore_index=True)
 
 
 def _reward_batches(ctx: StageContext, names: dict[str, float]) -> list[int]:
     """The batch sizes the rewards ``names`` score in (``batch_size`` of their options; none for a reward
-    without one)."""
-    from solrl.stages.rewards.base import reward_options
+    without one, or that scores whole groups)."""
+    from solrl.stages.rewards.base import reward_class, reward_options
 
     sizes = []
     for name in names:
+        if reward_class(name, ctx.cfg.reward.models).inputs == "group":
+            continue
         size = getattr(reward_options(name, ctx.cfg.reward.models), "batch_size", None)
         if isinstance(size, int) and size > 0:
             sizes.append(size)
     return sizes
 
 
-def _score_pool(ctx: StageContext, pool: CandidatePool) -> dict[str, np.ndarray]:
-    """Rewards of every image of ``pool`` (its arrays may be lazy): name -> float32 ``[P * N]``, read and scored
-    ``prompts_per_part`` prompts at a time (whole batches of every reward)."""
+def _score_pool(ctx: StageContext, pool: CandidatePool) -> dict[str, Scores]:
+    """Rewards of every image of ``pool`` (its arrays may be lazy): name -> ``Scores`` of ``P * N`` candidates,
+    read and scored ``prompts_per_part`` prompts at a time (whole batches of every reward, whole groups)."""
     P, N = pool.seeds.shape
     names = ctx.cfg.reward.weights
     frames = 1
@@ -122,7 +146,7 @@ def _score_pool(ctx: StageContext, pool: CandidatePool) -> dict[str, np.ndarray]
         frames = len(range(0, pool.images.shape[2], ctx.cfg.reward.frame_stride))
     step = min(P, prompts_per_part(N * frames, _reward_batches(ctx, names)))
     metadata = ctx.train_metadata(pool.prompt_index, N)
-    parts: list[dict[str, np.ndarray]] = []
+    parts: list[dict[str, Scores]] = []
     try:
         for first in range(0, P, step):
             last = min(first + step, P)
@@ -134,13 +158,14 @@ def _score_pool(ctx: StageContext, pool: CandidatePool) -> dict[str, np.ndarray]
                     [pool.prompts[p] for p in range(first, last) for _ in range(N)],
                     names,
                     None if metadata is None else metadata[first * N : last * N],
+                    group_size=N,
                     release=False,
                 )
             )
             del images
     finally:
         release_rewards(list(names))
-    return {name: np.concatenate([part[name] for part in parts]) for name in names}
+    return {name: Scores.join([part[name] for part in parts]) for name in names}
 
 
 def _summary(prefix: str, total: np.ndarray) -> dict[str, float]:

@@ -121,7 +121,7 @@ def test_digit_rewards_recognise_real_held_out_digits():
     wrong = [f"a handwritten digit {td.DIGIT_WORDS[(y + 1) % 10]}" for y in y_te[:40]]
     for name in ("digit_alignment", "digit_evaluator"):
         reward = build_reward(name)
-        right_p, wrong_p = checked(reward, images, prompts), checked(reward, images, wrong)
+        right_p, wrong_p = checked(reward, images, prompts).values, checked(reward, images, wrong).values
         assert right_p.dtype == np.float32 and right_p.mean() > 0.9 and wrong_p.mean() < 0.1
 
 
@@ -133,10 +133,12 @@ def test_jpeg_compressibility_prefers_flat_images():
 
 
 def test_a_nan_reward_is_an_error_naming_the_prompt():
-    class Broken:
+    from solrl.stages.rewards import Reward
+
+    class Broken(Reward):
         name = "broken"
 
-        def __call__(self, images, prompts, metadata=None):
+        def _score(self, images, prompts, metadata):
             return np.array([0.5, np.nan], np.float32)
 
     with pytest.raises(RewardError, match="returned nan for prompt 'b'"):

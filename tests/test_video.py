@@ -77,9 +77,9 @@ def test_an_image_reward_scores_a_video_through_every_strided_frame(tmp_path: Pa
     videos[1, 2] = 128  # a flat frame compresses far better than noise: it sets video 1's max
     names = {"jpeg_compressibility": 1.0}
     frames = videos[:, [0, 2, 4]]  # stride 2: frames 0, 2, 4
-    per_frame = score_images(ctx, frames.reshape(6, 16, 16, 3), ["a photo"] * 6, names)["jpeg_compressibility"]
+    per_frame = score_images(ctx, frames.reshape(6, 16, 16, 3), ["a photo"] * 6, names)["jpeg_compressibility"].values
     expected = getattr(per_frame.reshape(2, 3), how)(1)
-    got = score_images(ctx, videos, ["a photo", "a photo"], names)["jpeg_compressibility"]
+    got = score_images(ctx, videos, ["a photo", "a photo"], names)["jpeg_compressibility"].values
     np.testing.assert_allclose(got, expected, rtol=1e-6)
     assert got.shape == (2,) and got.dtype == np.float32
 

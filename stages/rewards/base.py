@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -18,6 +19,33 @@ from solrl.registry import REWARDS
 Metadata = Sequence[dict[str, Any]] | None
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+#: What a reward scores: one image, one whole video, or the whole group of one prompt's images at once.
+Inputs = Literal["image", "video", "group"]
+
+
+@dataclass
+class Scores:
+    """What a reward gives for ``B`` images or videos: ``values`` float32 ``[B]`` (higher is better) and its extra
+    ``columns`` (name -> ``B`` values, e.g. a judge's rationale), which land beside ``value`` in the stage's
+    rewards table."""
+
+    values: np.ndarray
+    columns: dict[str, list[Any]] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    @staticmethod
+    def join(parts: Sequence[Scores]) -> Scores:
+        """The parts one after another (each part holding the same columns)."""
+        values = np.concatenate([p.values for p in parts]) if parts else np.zeros(0, np.float32)
+        names = parts[0].columns if parts else {}
+        return Scores(values, {name: [v for p in parts for v in p.columns[name]] for name in names})
+
+    def take(self, index: np.ndarray) -> Scores:
+        """The rows ``index`` (int ``[M]``) of the values and of every column."""
+        return Scores(self.values[index], {k: [v[i] for i in index] for k, v in self.columns.items()})
 
 
 def local(path: str) -> str:
@@ -48,13 +76,14 @@ class RewardOptions(BaseModel):
 
 
 class Reward:
-    """One signature for every reward: images uint8 ``[B, H, W, 3]`` + prompts + metadata -> float32 ``[B]``,
-    higher is better, scored in batches of ``options.batch_size``.
+    """One signature for every reward: images uint8 ``[B, H, W, 3]`` (or videos ``[B, F, H, W, 3]``) + prompts +
+    metadata -> float32 ``[B]``, higher is better, scored in batches of ``options.batch_size``.
 
     A reward registers under its name (``solrl.registry.register_reward``) and declares its options
     (``Options``, validated with the config), the weight files they name (``weight_files``, checked where
-    work starts, with ``published`` in the error) and the prompts it can score (``check_prompts``).
-    Subclasses implement ``_score`` on one batch.
+    work starts, with ``published`` in the error), the prompts it can score (``check_prompts``), what one call
+    of ``_score`` takes (``inputs``) and the extra columns it may return (``columns``). Subclasses implement
+    ``_score`` on one batch.
     """
 
     name: ClassVar[str]
@@ -68,6 +97,12 @@ class Reward:
     #: in the reward's dtype; 0 for a reward without a model on the device). None: not declared, which the memory
     #: plan refuses rather than count a judge of billions of parameters as 0 bytes.
     parameters: ClassVar[int | None] = None
+    #: What ``_score`` takes: ``image`` (uint8 ``[b, H, W, 3]``; a video family's samples are scored frame by
+    #: frame, ``reward.video``), ``video`` (uint8 ``[b, F, H, W, 3]``; an image is a one-frame video) or
+    #: ``group`` (all the images, or videos, of one prompt at once, whatever the batch size: a group-wise judge).
+    inputs: ClassVar[Inputs] = "image"
+    #: Extra columns ``_score`` may return (in ``Scores.columns``), when its options ask for them.
+    columns: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, options: RewardOptions | None = None, device: torch.device | str = "cpu") -> None:
         self.options = options or self.Options()
@@ -77,7 +112,10 @@ class Reward:
     @classmethod
     def options_for(cls, raw: dict[str, Any]) -> RewardOptions:
         """Validate ``reward.models.<name>``: this reward's ``Options``, or only the common ones when ``url``
-        names a reward server (which holds the rest). Raises pydantic's ValidationError."""
+        names a reward server (which holds the rest). Raises pydantic's ValidationError, or ValueError for
+        ``url`` on a reward that takes videos or groups (a server scores image batches)."""
+        if raw.get("url") and cls.inputs != "image":
+            raise ValueError(f"reward {cls.name} scores {cls.inputs}s; a reward server scores images only: drop url")
         return (RewardOptions if raw.get("url") else cls.Options).model_validate(raw)
 
     @classmethod
@@ -111,35 +149,65 @@ class Reward:
                 where = f"; weights: {cls.published}" if cls.published else ""
                 raise ConfigError(f"reward.models.{key}.{option}: {path} does not exist{where}")
 
-    def _score(self, images: np.ndarray, prompts: Sequence[str], metadata: Metadata) -> np.ndarray | torch.Tensor:
-        """Scores of one batch: images uint8 ``[b, H, W, 3]`` -> ``[b]``."""
+    def _score(
+        self, images: np.ndarray, prompts: Sequence[str], metadata: Metadata
+    ) -> np.ndarray | torch.Tensor | Scores:
+        """Scores of one batch (one group for ``inputs="group"``): uint8 ``[b, H, W, 3]`` (``[b, F, H, W, 3]`` for
+        ``inputs="video"``) -> ``[b]``, or ``Scores`` with extra columns."""
         raise NotImplementedError
 
-    def __call__(self, images: np.ndarray, prompts: Sequence[str], metadata: Metadata = None) -> np.ndarray:
-        """Score images uint8 ``[B, H, W, 3]`` with ``len(prompts) == B`` -> float32 ``[B]``, batch by batch.
+    def batches(self, count: int, group_size: int | None = None) -> list[slice]:
+        """The slices of ``count`` images that ``_score`` is called on: runs of ``options.batch_size``, or for
+        ``inputs="group"`` each group of ``group_size`` (the stages lay a pool out group by group; None: all
+        ``count`` are one group)."""
+        size = (group_size or count) if self.inputs == "group" else self.options.batch_size
+        return [slice(start, start + size) for start in range(0, count, max(size, 1))]
+
+    def score(
+        self, images: np.ndarray, prompts: Sequence[str], metadata: Metadata = None, group_size: int | None = None
+    ) -> Scores:
+        """Score images uint8 ``[B, H, W, 3]`` (or, for a ``video`` or ``group`` reward, videos
+        ``[B, F, H, W, 3]``) with ``len(prompts) == B``, batch by batch (``batches``; a ``group`` reward group by
+        group, ``group_size`` consecutive images each): values float32 ``[B]`` and the extra columns the reward
+        returned.
 
         Raises:
-            ValueError: images are not uint8 ``[B, H, W, 3]``, or prompts or metadata do not match them
-            (``check_alignment``).
+            ValueError: images are not uint8 ``[B, H, W, 3]`` (or ``[B, F, H, W, 3]`` where the reward takes
+            videos), prompts or metadata do not match them (``check_alignment``), or a column the reward did not
+            declare in ``columns``.
         """
         images = np.asarray(images)
-        if images.dtype != np.uint8 or images.ndim != 4 or images.shape[-1] != 3:
-            raise ValueError(
-                f"reward {self.name}: expected uint8 images [B, H, W, 3], got {images.dtype} {images.shape}"
-            )
+        takes_video = self.inputs != "image"
+        if images.dtype != np.uint8 or images.ndim not in ((4, 5) if takes_video else (4,)) or images.shape[-1] != 3:
+            shape = "[B, H, W, 3] or videos [B, F, H, W, 3]" if takes_video else "[B, H, W, 3]"
+            raise ValueError(f"reward {self.name}: expected uint8 images {shape}, got {images.dtype} {images.shape}")
+        if self.inputs == "video" and images.ndim == 4:
+            images = images[:, None]  # an image is a one-frame video
         check_alignment(self.name, len(images), prompts, metadata)
-        size = self.options.batch_size
+        if self.inputs == "group" and group_size and len(images) % group_size:
+            raise ValueError(f"reward {self.name}: {len(images)} images are not whole groups of {group_size}")
         parts = []
         with torch.no_grad():
-            for start in range(0, len(images), size):
-                batch = slice(start, start + size)
-                scores = self._score(
+            for batch in self.batches(len(images), group_size):
+                scored = self._score(
                     images[batch], list(prompts[batch]), None if metadata is None else list(metadata[batch])
                 )
-                if isinstance(scores, torch.Tensor):
-                    scores = scores.detach().float().cpu().numpy()
-                parts.append(np.asarray(scores, dtype=np.float32).reshape(-1))
-        return np.concatenate(parts) if parts else np.zeros(0, np.float32)
+                if not isinstance(scored, Scores):
+                    scored = Scores(scored)
+                if isinstance(scored.values, torch.Tensor):
+                    scored.values = scored.values.detach().float().cpu().numpy()
+                scored.values = np.asarray(scored.values, dtype=np.float32).reshape(-1)
+                undeclared = sorted(set(scored.columns) - set(self.columns))
+                if undeclared:
+                    raise ValueError(f"reward {self.name} returned columns {undeclared} it does not declare")
+                parts.append(scored)
+        if any(p.columns.keys() != parts[0].columns.keys() for p in parts):
+            raise ValueError(f"reward {self.name} returned different columns for different batches")
+        return Scores.join(parts)
+
+    def __call__(self, images: np.ndarray, prompts: Sequence[str], metadata: Metadata = None) -> np.ndarray:
+        """``score(...).values``: float32 ``[B]``."""
+        return self.score(images, prompts, metadata).values
 
 
 def check_alignment(name: str, count: int, prompts: Sequence[str], metadata: Metadata) -> None:
@@ -225,13 +293,21 @@ def release_rewards(names: Sequence[str] | None = None) -> None:
         torch.cuda.empty_cache()
 
 
-def checked(reward: Reward, images: np.ndarray, prompts: Sequence[str], metadata: Metadata = None) -> np.ndarray:
-    """Call ``reward`` and check its output: float32 ``[B]``, all finite.
+def checked(
+    reward: Reward,
+    images: np.ndarray,
+    prompts: Sequence[str],
+    metadata: Metadata = None,
+    group_size: int | None = None,
+) -> Scores:
+    """Call ``reward.score`` (``group_size``: images per group, for a group reward) and check its output: float32
+    ``[B]``, all finite, each column ``B`` long.
 
     Raises:
-        RewardError: wrong shape, or a NaN/inf value (naming the first bad prompt).
+        RewardError: wrong shape or column length, or a NaN/inf value (naming the first bad prompt).
     """
-    values = np.asarray(reward(images, prompts, metadata), dtype=np.float32)
+    scores = reward.score(images, prompts, metadata, group_size)
+    values = scores.values
     if values.shape != (len(prompts),):
         raise RewardError(f"reward {reward.name!r} returned shape {values.shape}, expected ({len(prompts)},)")
     bad = np.flatnonzero(~np.isfinite(values))
@@ -240,11 +316,19 @@ def checked(reward: Reward, images: np.ndarray, prompts: Sequence[str], metadata
             f"reward {reward.name!r} returned {values[bad[0]]} for prompt {prompts[bad[0]]!r} "
             f"({bad.size} non-finite of {values.size}); fix the reward or its inputs"
         )
-    return values
+    for column, cells in scores.columns.items():
+        if len(cells) != len(prompts):
+            raise RewardError(f"reward {reward.name!r} returned {len(cells)} {column!r} for {len(prompts)} images")
+    return scores
 
 
 def score_all(
-    rewards: dict[str, tuple[Reward, float]], images: np.ndarray, prompts: Sequence[str], metadata: Metadata = None
-) -> dict[str, np.ndarray]:
-    """Score images with every reward. ``rewards``: name -> (reward, weight). Returns name -> float32 ``[B]``."""
-    return {name: checked(reward, images, prompts, metadata) for name, (reward, _) in rewards.items()}
+    rewards: dict[str, tuple[Reward, float]],
+    images: np.ndarray,
+    prompts: Sequence[str],
+    metadata: Metadata = None,
+    group_size: int | None = None,
+) -> dict[str, Scores]:
+    """Score images with every reward (``checked``). ``rewards``: name -> (reward, weight). Returns name ->
+    ``Scores`` (values float32 ``[B]``)."""
+    return {name: checked(reward, images, prompts, metadata, group_size) for name, (reward, _) in rewards.items()}
