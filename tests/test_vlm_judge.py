@@ -1,0 +1,195 @@
+"""The VLM-judge reward on a tiny random Qwen2.5-VL built here (no hub): images, videos, answers, rationale, and two
+differently configured judges scoring one campaign."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from solrl.config import load_config
+from solrl.stages.rewards.base import build_reward, checked
+
+#: The ChatML turns of the Qwen2.5-VL chat template, with its image and video placeholders.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for c in message['content'] %}"
+    "{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>{% elif c['type'] == 'video' %}"
+    "<|vision_start|><|video_pad|><|vision_end|>{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_tiny_judge(out: Path) -> None:
+    """A Qwen2.5-VL of the real classes at random weights (2 layers, width 32, 1-block vision tower) and its
+    processor (byte-level Qwen tokenizer with the vision tokens, Qwen2-VL image and video processors)."""
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2_5_VLProcessor,
+        Qwen2Tokenizer,
+        Qwen2VLImageProcessor,
+        Qwen2VLVideoProcessor,
+    )
+
+    vocab = {c: i for i, c in enumerate(sorted(ByteLevel.alphabet()))}
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    specials += ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+    for token in specials:
+        vocab[token] = len(vocab)
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[], additional_special_tokens=specials[1:], model_max_length=4096)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    pixels = {"min_pixels": 56 * 56, "max_pixels": 112 * 112}
+    Qwen2_5_VLProcessor(
+        image_processor=Qwen2VLImageProcessor(**pixels),
+        tokenizer=tokenizer,
+        video_processor=Qwen2VLVideoProcessor(**pixels),
+        chat_template=CHAT_TEMPLATE,
+    ).save_pretrained(out)
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in specials}
+    torch.manual_seed(0)
+    Qwen2_5_VLForConditionalGeneration(
+        Qwen2_5_VLConfig(
+            text_config={
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 1,
+                "vocab_size": len(tokenizer),
+                "rope_scaling": {"mrope_section": [2, 2, 4], "rope_type": "default", "type": "default"},
+                "rope_theta": 1e6,
+                "bos_token_id": None,
+                "eos_token_id": ids["<|im_end|>"],
+                "pad_token_id": ids["<|endoftext|>"],
+            },
+            vision_config={
+                "depth": 1,
+                "hidden_size": 16,
+                "intermediate_size": 16,
+                "num_heads": 2,
+                "out_hidden_size": 32,
+            },
+            vocab_size=len(tokenizer),
+            image_token_id=ids["<|image_pad|>"],
+            video_token_id=ids["<|video_pad|>"],
+            vision_start_token_id=ids["<|vision_start|>"],
+            vision_end_token_id=ids["<|vision_end|>"],
+            eos_token_id=ids["<|im_end|>"],
+            pad_token_id=ids["<|endoftext|>"],
+        )
+    ).eval().save_pretrained(out)
+
+
+@pytest.fixture(scope="module")
+def judge_path(tmp_path_factory) -> str:
+    out = tmp_path_factory.mktemp("tiny-judge")
+    build_tiny_judge(out)
+    return str(out)
+
+
+IMAGES = np.random.default_rng(0).integers(0, 256, (3, 32, 32, 3), dtype=np.uint8)
+PROMPTS = ["a red cube", "a dog", "two cats"]
+
+
+def test_the_judge_reads_its_answer_probabilities_batch_by_batch(judge_path: str):
+    """P(Yes) over {Yes, No}: the same as computed by hand from the model's next-token logits, the same alone as in
+    a batch (left padding), and an expected grade in [1, 5] for a 1..5 scale."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    judge = build_reward("judge", "cpu", {"type": "vlm_judge", "model_path": judge_path, "batch_size": 3})
+    scores = checked(judge, IMAGES, PROMPTS)
+    assert scores.values.dtype == np.float32 and ((scores.values > 0) & (scores.values < 1)).all()
+    assert scores.columns == {}  # no rationale unless asked
+
+    processor, model = (
+        AutoProcessor.from_pretrained(judge_path),
+        AutoModelForImageTextToText.from_pretrained(judge_path),
+    )
+    turn = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]}]
+    for i in range(3):
+        turn[0]["content"][1]["text"] = judge.options.question.format(prompt=PROMPTS[i], media="image")
+        text = processor.apply_chat_template(turn, add_generation_prompt=True, tokenize=False)
+        logits = model(**processor(text=[text], images=[IMAGES[i]], return_tensors="pt")).logits[0, -1]
+        yes, no = (processor.tokenizer.encode(a, add_special_tokens=False)[0] for a in ("Yes", "No"))
+        expected = logits[[yes, no]].softmax(-1)[0].item()
+        assert scores.values[i] == pytest.approx(expected, abs=1e-5)
+
+    one_by_one = build_reward("judge_1", "cpu", {"type": "vlm_judge", "model_path": judge_path, "batch_size": 1})
+    np.testing.assert_allclose(one_by_one(IMAGES, PROMPTS), scores.values, atol=1e-5)
+    scale = {str(g): float(g) for g in range(1, 6)}
+    graded = build_reward("grader", "cpu", {"type": "vlm_judge", "model_path": judge_path, "answers": scale})(
+        IMAGES, PROMPTS
+    )
+    assert ((graded > 1) & (graded < 5)).all()
+
+
+def test_the_judge_scores_a_video_whole_and_gives_its_rationale_when_asked(judge_path: str):
+    """A video reaches the judge as a video (its frames spread over it), not frame by frame; an image is a
+    one-frame video shown as an image; the rationale is the judge's greedy answer, one string per sample."""
+    judge = build_reward(
+        "talker", "cpu", {"type": "vlm_judge", "model_path": judge_path, "rationale": True, "max_new_tokens": 4}
+    )
+    videos = np.random.default_rng(1).integers(0, 256, (2, 6, 32, 32, 3), dtype=np.uint8)
+    batch = judge._inputs(videos, PROMPTS[:2])
+    assert "pixel_values_videos" in batch and "pixel_values" not in batch
+    assert "pixel_values" in judge._inputs(IMAGES[:, None], PROMPTS)
+    scores = checked(judge, videos, PROMPTS[:2])
+    assert scores.values.shape == (2,) and np.isfinite(scores.values).all()
+    assert [type(r) for r in scores.columns["rationale"]] == [str, str]
+    assert checked(judge, videos[:, :1], PROMPTS[:2]).values.shape == (2,)
+    with pytest.raises(ValueError, match="expected uint8 images"):
+        judge(videos.astype(np.float32), PROMPTS[:2])
+
+
+def test_answers_that_share_a_first_token_or_a_question_without_the_prompt_are_refused(judge_path: str):
+    with pytest.raises(ValueError, match="must start with distinct tokens"):
+        build_reward("j", "cpu", {"type": "vlm_judge", "model_path": judge_path, "answers": {"yes": 1, "yeah": 0}})
+    with pytest.raises(ValueError, match=r"must contain \{prompt\}"):
+        load_config("tiny-sana", ["reward.models={j: {type: vlm_judge, question: 'Good?'}}", "reward.evaluate=[j]"])
+    with pytest.raises(ValueError, match="a reward server scores images only"):
+        load_config("tiny-sana", ["reward.models={j: {type: vlm_judge, url: 'http://x'}}", "reward.evaluate=[j]"])
+
+
+@pytest.mark.slow
+def test_two_differently_configured_judges_score_one_campaign(tmp_path: Path, judge_path: str):
+    """judge_yes (P(Yes)) and judge_grade (a 1..5 grade, with its rationale) train one 2-iteration campaign: both
+    score every candidate under their own names, and the rationale lands in the rewards tables beside the
+    grade's rows only."""
+    from solrl.flows.sol_rl import campaign
+    from solrl.stages.runnable import check_runnable
+    from solrl.storage.artifacts import ExploreRewards, RegeneratedRewards
+    from solrl.storage.runs import create_run
+
+    grade = {str(g): float(g) for g in range(1, 6)}
+    models = {
+        "judge_yes": {"type": "vlm_judge", "model_path": judge_path},
+        "judge_grade": {
+            "type": "vlm_judge",
+            "model_path": judge_path,
+            "answers": grade,
+            "question": "Grade this {media} for '{prompt}' from 1 to 5.",
+            "rationale": True,
+            "max_new_tokens": 3,
+        },
+    }
+    cfg = load_config(
+        "tiny-sana",
+        [
+            f"storage.root={tmp_path / 'store'}",
+            "reward.weights={judge_yes: 1.0, judge_grade: 0.25}",
+            f"reward.models={json.dumps(models)}",
+        ],
+    )
+    check_runnable(cfg)
+    run = create_run(cfg, "two-judges")
+    campaign(str(run.run_dir.parent), run.run_id)
+    for table in (ExploreRewards.load(run.run_dir, 2).frame, RegeneratedRewards.load(run.run_dir, 2).frame):
+        assert set(table["reward"]) == {"judge_yes", "judge_grade"}
+        yes, graded = table[table["reward"] == "judge_yes"], table[table["reward"] == "judge_grade"]
+        assert yes["value"].between(0, 1).all() and graded["value"].between(1, 5).all()
+        assert yes["rationale"].isna().all() and graded["rationale"].map(type).eq(str).all()
