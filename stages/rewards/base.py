@@ -173,8 +173,8 @@ class Reward:
 
         Raises:
             ValueError: images are not uint8 ``[B, H, W, 3]`` (or ``[B, F, H, W, 3]`` where the reward takes
-            videos), prompts or metadata do not match them (``check_alignment``), or a column the reward did not
-            declare in ``columns``.
+                videos), prompts or metadata do not match them (``check_alignment``), images are not whole groups,
+                or the reward returned a column it does not declare in ``columns``.
         """
         images = np.asarray(images)
         takes_video = self.inputs != "image"
