@@ -33,19 +33,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-PRESETS = [
-    "sana-1600m",
-    "sd35-medium",
-    "sd35-large",
-    "flux1-dev",
-    "flux2-klein-4b",
-    "flux2-dev",
-    "qwen-image",
-    "z-image-turbo",
-    "wan21-t2v-1.3b",
-    "wan21-t2v-14b",
-]
-
+from solrl.weights import published_presets
 
 #: The update layouts of the table: label -> ``make_plan`` keywords.
 LAYOUTS = [
@@ -99,10 +87,11 @@ def extrapolation_check(cfg):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--presets", nargs="*", default=PRESETS)
+    parser.add_argument("--presets", nargs="*", default=None, help="default: every published preset")
     parser.add_argument("--real", nargs="*", default=[], help="Presets also counted on real bf16 CPU tensors.")
     parser.add_argument("--out", type=Path, default=Path("bench/results/memory-plan.md"))
     args = parser.parse_args()
+    args.presets = args.presets or published_presets()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     import torch

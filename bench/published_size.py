@@ -37,18 +37,8 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-#: One preset per family, its widest published model.
-PRESETS = [
-    "sana-1600m",
-    "sd35-large",
-    "sd35-medium",
-    "flux1-dev",
-    "flux2-klein-4b",
-    "flux2-dev",
-    "qwen-image",
-    "z-image-turbo",
-    "wan21-t2v-14b",
-]
+from solrl.weights import published_presets
+
 #: What running a preset here found, and how it was fixed (kept with the table).
 FOUND = {
     "qwen-image": "explore.steps=1 gave NaN sigmas: the scheduler's terminal stretch (shift_terminal 0.02) divides "
@@ -238,12 +228,13 @@ def table(rows: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("presets", nargs="*", default=PRESETS)
+    parser.add_argument("presets", nargs="*", default=None, help="default: every published preset")
     parser.add_argument("--blocks", type=int, default=1, help="Transformer blocks kept of each kind.")
     parser.add_argument("--set", dest="extra", action="append", default=[], help="Another override (section.key=v).")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a child: one preset, JSON out
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "published-size.md")
     args = parser.parse_args()
+    args.presets = args.presets or published_presets()
     if args.one:
         print("ROW " + json.dumps(run_one(args.presets[0], args.blocks, args.extra)))
         return
@@ -273,7 +264,7 @@ def main() -> None:
     # The results file keeps one row per preset: a run of some presets replaces theirs.
     saved = json.loads(args.out.with_suffix(".json").read_text()) if args.out.with_suffix(".json").exists() else []
     merged = {r["preset"]: r for r in saved} | {r["preset"]: r for r in rows}
-    ordered = [merged[p] for p in PRESETS if p in merged]
+    ordered = [merged[p] for p in sorted(merged) if p in published_presets()]
     measured = sorted({r.get("measured", "") for r in ordered})
     text = (
         "# Published widths in bfloat16 on CPU\n\n"

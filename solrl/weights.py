@@ -119,3 +119,11 @@ def check_published_weights(model: ModelConfig) -> None:
     published = published_weights(model.family, model.path)
     if published is not None:
         published.check(model.family, model.path)
+
+
+def published_presets() -> list[str]:
+    """The shipped presets whose family declares published weights (not the tiny twins, not tiny-digits), sorted:
+    what the benchmarks at published size iterate, so a new family's preset is picked up without an edit there."""
+    from solrl.config import list_presets, load_config
+
+    return [name for name in list_presets() if published_weights(load_config(name, plugins=False).model.family, None)]
