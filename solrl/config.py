@@ -47,6 +47,7 @@ class _Section(BaseModel):
         if (
             field is None
             or field.annotation is bool
+            or field.annotation == dict[str, Any]  # a plug-in's options: its own model checks them
             or (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel))
         ):
             return value
@@ -57,6 +58,11 @@ class _Section(BaseModel):
                 f"booleans; write a number (or null where the key allows it)"
             )
         return value
+
+
+#: The base of a config section and of a plug-in's options model: unknown keys refused, frozen, no NaN or inf, and
+#: no YAML boolean read as a number.
+ConfigSection = _Section
 
 
 class ModelConfig(_Section):
@@ -174,15 +180,11 @@ class RegenerateConfig(_Section):
 class TrainConfig(_Section):
     """Step 6: the policy update (DiffusionNFT loss, DESIGN 1)."""
 
-    loss: str = Field(
-        "nft", description="nft: DiffusionNFT on ODE rollouts (Sol-RL); flow_grpo: PPO-clipped SDE log-probs."
-    )
-    clip_range: float = Field(1e-4, gt=0, description="flow_grpo: PPO ratio clip epsilon.")
-    grpo_guard: bool = Field(
-        False,
-        description="flow_grpo: GRPO-Guard (arXiv 2510.22319): the importance ratio centred and scaled per timestep "
-        "(RatioNorm) and each step's loss weighted by 1/|dt| (gradient reweighting). The normalised ratio moves "
-        "about std times less, so it wants a smaller clip_range.",
+    loss: str = Field("nft", description="Registered policy loss (DESIGN 1; docs: losses).")
+    loss_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="The loss's own options, validated by the loss (its Options; docs: losses); a stored config "
+        "holds every one, resolved.",
     )
     lr: float = Field(1e-3, gt=0, description="AdamW learning rate.")
     weight_decay: float = Field(1e-4, ge=0, description="AdamW decoupled weight decay of the LoRA parameters.")
@@ -231,7 +233,6 @@ class TrainConfig(_Section):
     timestep_fraction: float = Field(
         0.6, gt=0, le=1, description="Fraction of the sampling timesteps trained per step."
     )
-    beta: float = Field(1.0, gt=0, description="NFT guidance strength beta.")
     kl_beta: float = Field(1e-4, ge=0, description="Weight of ||v_theta - v_ref||^2 (reference = adapter off).")
     adv_clip_max: float = Field(5.0, gt=0, description="Advantages are clipped to +-adv_clip_max.")
     global_std: bool = Field(True, description="Normalise advantages by the batch std instead of the group std.")
@@ -242,8 +243,6 @@ class TrainConfig(_Section):
     )
     stat_buffer: int = Field(32, ge=1, description="per_prompt: rewards kept per prompt.")
     stat_min_count: int = Field(16, ge=1, description="per_prompt: below this many, use the batch statistics.")
-    decay_rate: float = Field(0.001, ge=0, description="Rollout-policy decay d = min(decay_rate * step, decay_max).")
-    decay_max: float = Field(0.5, ge=0, lt=1, description="Upper bound of the rollout-policy decay d (DiffusionNFT).")
     ema_decay: float = Field(0.9, ge=0, lt=1, description="EMA of the policy adapter, for evaluation.")
     spike_factor: float | None = Field(
         10.0,
@@ -252,6 +251,37 @@ class TrainConfig(_Section):
         "this multiple of the median of the last spike_window steps' norms; null = never skip.",
     )
     spike_window: int = Field(32, ge=4, description="Grad norms kept for spike_factor's running median.")
+
+
+#: The loss options that were ``train`` fields before ``train.loss_options`` (issue 37), with their defaults then: a
+#: stored config or a YAML that has them is read with them moved into ``train.loss_options``, where the loss's
+#: ``Options`` does not know one at its old default it is dropped (it was never used).
+LEGACY_LOSS_OPTIONS: dict[str, Any] = {
+    "clip_range": 1e-4,
+    "grpo_guard": False,
+    "beta": 1.0,
+    "decay_rate": 0.001,
+    "decay_max": 0.5,
+}
+
+
+def migrate_train(train: dict[str, Any]) -> dict[str, Any]:
+    """A ``train`` section with its legacy loss options (``LEGACY_LOSS_OPTIONS``) moved into ``loss_options``
+    (a new mapping; ``loss_options`` given explicitly wins)."""
+    legacy = {k: train[k] for k in LEGACY_LOSS_OPTIONS if k in train}
+    if not legacy:
+        return train
+    rest = {k: v for k, v in train.items() if k not in LEGACY_LOSS_OPTIONS}
+    return rest | {"loss_options": legacy | dict(train.get("loss_options") or {})}
+
+
+def loss_option_values(options: dict[str, Any], fields: set[str]) -> dict[str, Any]:
+    """``train.loss_options`` as a loss with option ``fields`` validates them: a legacy option it does not have is
+    dropped at its old default (a stored config of before ``loss_options`` held every loss's), kept otherwise (so
+    the loss refuses it)."""
+    return {
+        k: v for k, v in options.items() if k in fields or k not in LEGACY_LOSS_OPTIONS or v != LEGACY_LOSS_OPTIONS[k]
+    }
 
 
 #: The key of a ``reward.models`` entry naming the registered reward it is an instance of.
@@ -496,18 +526,40 @@ class RunConfig(_Section):
     def warnings(self) -> list[str]:
         """Settings that are valid but that a user should know about before a long run (pure)."""
         found = []
-        if not self.regenerate.enabled and self.explore.precision != "bf16":
+        from solrl.registry import EXPLORE_BACKENDS, LOSSES
+
+        low_precision = EXPLORE_BACKENDS.declared(self.explore.precision, "low_precision", True)
+        if not self.regenerate.enabled and low_precision:
             found.append(
                 f"regenerate.enabled=false with explore.precision={self.explore.precision}: the policy trains on "
                 f"the quantized explore samples (the naive-FP4 ablation), so its update is off-policy"
-                + (
-                    "; Flow-GRPO's ratio compares the policy with the quantized copy's log-probs"
-                    if self.train.loss == "flow_grpo"
-                    else ""
-                )
+                + LOSSES.declared(self.train.loss, "off_policy_note", "")
                 + ". Sol-RL regenerates the kept seeds in BF16 (regenerate.enabled=true)."
             )
         return found
+
+    @model_validator(mode="before")
+    @classmethod
+    def _loss_options(cls, data: Any, info: ValidationInfo) -> Any:
+        """``train.loss_options`` resolved by the loss: validated by its ``Options`` and stored with every option,
+        so a config naming none and one naming the defaults are one config, with one hash. A config written before
+        ``train.loss_options`` (a stored run, an old YAML) has its loss options moved there first
+        (``migrate_train``). Without plug-ins (a stored run read for a report) they are only moved."""
+        if not (isinstance(data, dict) and isinstance(data.get("train"), dict)):
+            return data
+        train = migrate_train(data["train"])
+        from solrl.registry import LOSSES
+
+        name = train.get("loss", TrainConfig.model_fields["loss"].default)
+        plugins = not (info.context and info.context.get("plugins") is False)
+        if plugins and isinstance(name, str) and name in LOSSES and isinstance(train.get("loss_options", {}), dict):
+            Options = LOSSES.get(name).Options
+            given = loss_option_values(train.get("loss_options") or {}, set(Options.model_fields))
+            try:
+                train = {**train, "loss_options": Options.model_validate(given).model_dump(mode="json")}
+            except ValidationError as exc:
+                raise ValueError(_describe_errors(exc, "train.loss_options.", Options)) from None
+        return {**data, "train": train}
 
     @model_validator(mode="after")
     def _cross_field_rules(self, info: ValidationInfo) -> RunConfig:
@@ -544,11 +596,6 @@ class RunConfig(_Section):
             raise ValueError(
                 f"regenerate.sde_window={list(window)} must satisfy 0 <= start < end <= "
                 f"regenerate.steps - 1 = {self.regenerate.steps - 1} (the last step is ODE)"
-            )
-        if self.train.grpo_guard and self.train.loss != "flow_grpo":
-            raise ValueError(
-                f"train.grpo_guard normalises the SDE log-prob ratio of train.loss=flow_grpo; train.loss="
-                f"{self.train.loss} has no such ratio: set train.loss=flow_grpo or train.grpo_guard=false"
             )
         if not self.reward.weights:
             raise ValueError("reward.weights is empty; give at least one reward, e.g. {digit_alignment: 1.0}")

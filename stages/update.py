@@ -73,7 +73,7 @@ def load_batch(ctx: StageContext, policy: Policy, samples: Samples, advantages: 
     seeds = torch.from_numpy(np.asarray(samples.seeds, dtype=np.int64).reshape(-1))
     trajectory = flat(samples.trajectory)
     noise = None  # GRPO-Guard recovers the rollout means from the seeds' draws: drawn once per update
-    if ctx.cfg.train.grpo_guard and trajectory is not None:
+    if LOSSES.get(ctx.cfg.train.loss).draws_seed_noise(ctx.cfg) and trajectory is not None:
         noise = seed_noise(seeds.tolist(), tuple(trajectory.shape[2:]), trajectory.shape[1], device)
     return Batch(
         flat(samples.latents),

@@ -26,7 +26,7 @@ runner = CliRunner()
         (["run", "--set", "explore.precision=nvfp4"], "explore.precision=nvfp4 cannot run here"),
         (["run", "--set", "campaign.prompts_file=/nope.txt"], "cannot read prompt file '/nope.txt'"),
         (["run", "--run-id", "../escape"], "run id '../escape' must be"),
-        (["run", "--set", "train.grpo_guard=true"], "train.grpo_guard normalises the SDE log-prob ratio"),
+        (["run", "--set", "train.loss_options={grpo_guard: true}"], "train.loss_options.grpo_guard: unknown key"),
         (["run", "--set", "campaign.on_guard=halt"], "campaign.on_guard: Input should be 'warn' or 'stop'"),
     ],
 )

@@ -83,7 +83,10 @@ def test_config_is_frozen_and_hash_changes_with_values():
             r"train.stat_min_count=40 exceeds train.stat_buffer=32.*set train.stat_min_count <= 32",
         ),
         (["train.advantage_stats=history"], r"train.advantage_stats: Input should be 'group' or 'per_prompt'"),
-        (["train.clip_range=0"], r"train.clip_range: Input should be greater than 0"),
+        (
+            ["train.loss=flow_grpo", "train.loss_options={clip_range: 0}"],
+            r"train.loss_options.clip_range: Input should be greater than 0",
+        ),
         (["train.timestep_fraction=0"], r"train.timestep_fraction: Input should be greater than 0"),
         (["regenerate.sde_window=[3, 2]"], r"regenerate.sde_window=\[3, 2\] must satisfy 0 <= start < end <= "),
         (["regenerate.sde_window=[0, 10]"], r"end <= regenerate.steps - 1 = 9"),
@@ -331,3 +334,33 @@ def test_a_bad_extends_is_one_line_naming_it(tmp_path: Path, files: dict[str, st
         (tmp_path / name).write_text(text)
     with pytest.raises(ConfigError, match=match):
         load_config(tmp_path / "a.yaml")
+
+
+def test_loss_options_are_the_losses_own_resolved_and_an_old_config_is_migrated(tmp_path: Path):
+    """Issue 37: ``train.loss_options`` is validated by the loss and stored resolved (one hash for none given and the
+    defaults given); a run stored before it, with the options as ``train`` fields, opens with its recorded hash and
+    its options read by the loss."""
+    import json
+
+    from solrl.config import config_digest
+    from solrl.registry import LOSSES
+    from solrl.storage.runs import create_run, open_run
+
+    given = load_config("flow-grpo", ["train.loss_options={clip_range: 1.0e-4, grpo_guard: true}"])
+    assert given.train.loss_options == {"clip_range": 1e-4, "grpo_guard": True}
+    assert given.digest() == load_config("flow-grpo").digest()
+    assert load_config("tiny-digits", ["train.loss_options={}"]).train.loss_options["decay_max"] == 0.5
+
+    run = create_run(load_config("flow-grpo", [f"storage.root={tmp_path}"]), "old-grpo")
+    data = json.loads((run.run_dir / "run.json").read_text())
+    train = data["config"]["train"]
+    options = train.pop("loss_options")
+    train |= options | {"clip_range": 0.002, "beta": 1.0, "decay_rate": 0.001, "decay_max": 0.5}  # as stored then
+    data["config_hash"] = config_digest(data["config"])
+    (run.run_dir / "run.json").write_text(json.dumps(data))
+    old = open_run(tmp_path, "old-grpo")
+    assert old.config_hash == data["config_hash"] and not hasattr(old.config.train, "clip_range")
+    loss = LOSSES.get("flow_grpo")
+    assert loss.options(old.config.train) == loss.Options(clip_range=0.002, grpo_guard=True)
+    with pytest.raises(ConfigError, match=r"train.loss_options.beta: unknown key"):
+        load_config("flow-grpo", ["train.beta=2.0"])  # an old field set to a value the loss has no option for

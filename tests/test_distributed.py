@@ -122,7 +122,8 @@ def test_two_processes_on_gloo_train_what_one_process_trains_ddp_or_fsdp_and_a_k
 
 def test_two_processes_train_what_one_trains_with_the_flow_grpo_loss_too(tmp_path: Path):
     """Flow-GRPO trains on stored SDE trajectories (no random draw in the loss): each process's rows only."""
-    grpo = (*LAYOUT, "train.loss=flow_grpo", "regenerate.noise_level=0.7", "train.lr=3e-3", "train.clip_range=1e-3")
+    grpo = (*LAYOUT, "train.loss=flow_grpo", "regenerate.noise_level=0.7", "train.lr=3e-3")
+    grpo = (*grpo, "train.loss_options={clip_range: 1e-3}")
     run = create_run(tiny_config(tmp_path, *grpo), "ddp-grpo")
     ctx = StageContext(run.config, run.run_dir, run.run_id, 1, run.config_hash)
     for stage in ("explore", "score_explore", "select", "regenerate", "score_regenerate", "update"):

@@ -221,7 +221,7 @@ def test_flow_grpo_iteration_stores_trajectories_and_starts_exactly_on_policy(tm
         "train.loss=flow_grpo",
         "regenerate.sde_window=[2, 6]",
         "train.kl_beta=0.01",
-        f"train.grpo_guard={str(guard).lower()}",
+        f"train.loss_options={{grpo_guard: {str(guard).lower()}}}",
     )
     run = create_run(cfg, "grpo")
     ctx = StageContext(cfg, run.run_dir, run.run_id, 1)
@@ -292,7 +292,7 @@ def test_without_regenerate_the_update_trains_on_the_kept_explore_samples(tmp_pa
         "regenerate.enabled=false",
         f"train.loss={loss}",
         "explore.steps=10",
-        f"train.grpo_guard={str(guard).lower()}",  # the explore copy's rollout means come back from the seeds too
+        f"train.loss_options={{grpo_guard: {str(guard).lower()}}}",  # the explore copy's rollout means come back too
     )
     run = create_run(cfg, f"naive-{loss}")
     ctx = StageContext(cfg, run.run_dir, run.run_id, 1)

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from solrl.config import RunConfig, TrainConfig
+from solrl.config import ConfigSection, RunConfig, TrainConfig
 from solrl.stages.models.adapter import Conditioning
 from solrl.stages.models.policy import Policy
 
@@ -27,18 +27,40 @@ class Batch:
     noise: torch.Tensor | None = None  # float32 [B, S + 1, C, h, w]: the seeds' draws (GRPO-Guard), drawn once
 
 
+class LossOptions(ConfigSection):
+    """A loss's own options, under ``train.loss_options`` (none by default); a loss with settings subclasses it."""
+
+
 class PolicyLoss:
     """One policy loss as a plug-in (``solrl.registry.register_loss``), named by ``train.loss``.
 
     A loss says how rollouts must be sampled for it (``noise_level``: 0 = the deterministic ODE), which of a
     rollout's steps it trains (``trainable_steps``), its term for one micro-batch at one step (``terms``),
-    and how the rollout policy follows the policy after an optimizer step (``rollout_decay``).
+    and how the rollout policy follows the policy after an optimizer step (``rollout_decay``). Its settings are its
+    ``Options``, validated from ``train.loss_options`` with the config (``solrl.config``), read with ``options``.
     """
 
     name: ClassVar[str]
+    Options: ClassVar[type[LossOptions]] = LossOptions
+    #: Added to the warning about training on the quantized explore samples (``RunConfig.warnings``): what it
+    #: means for this loss in particular (a literal: read without importing the loss).
+    off_policy_note: ClassVar[str] = ""
     #: The largest on-policy deviation (``terms``' third value) an on-policy loss expects before its first
     #: update; the update warns above it. None: the rollout lags the policy by design (no bound).
     on_policy_bound: ClassVar[float | None] = None
+
+    @classmethod
+    def options(cls, tc: TrainConfig) -> LossOptions:
+        """This loss's options from ``train.loss_options`` (resolved with the config; validated again here for a
+        stored config read without plug-ins)."""
+        from solrl.config import loss_option_values
+
+        return cls.Options.model_validate(loss_option_values(tc.loss_options, set(cls.Options.model_fields)))
+
+    @classmethod
+    def draws_seed_noise(cls, cfg: RunConfig) -> bool:
+        """Whether the update needs each sample's seed draws (``Batch.noise``), drawn once per update."""
+        return False
 
     @classmethod
     def validate_config(cls, cfg: RunConfig) -> None:

@@ -9,11 +9,12 @@ now and the one stored at rollout (``old``)::
     L_kl   = mean[ ||mu_theta - mu_ref||^2 / (2 std^2) ]   (KL of the two step Gaussians, same std)
     L      = L_clip + kl_beta * L_kl
 
-GRPO-Guard (``train.grpo_guard``). A step is the Gaussian ``N(mu, std^2 I)``, ``std = s(sigma) sqrt(-dt)``, and the
-rollout drew ``x_{t+1} = mu_old + std eps``. With ``Delta = mu_theta - mu_old`` the per-element-mean log-ratio is
-``mean(eps Delta) / std - mean(Delta^2) / (2 std^2)``: its mean is below 0 (the second term) and its spread
-scales as ``1 / std``, which differs by orders of magnitude across timesteps, so a single clip range clips
-positive-advantage samples too late at some steps and never at others (the paper's analysis). The guard:
+GRPO-Guard (``train.loss_options.grpo_guard``). A step is the Gaussian ``N(mu, std^2 I)``, ``std = s(sigma)
+sqrt(-dt)``, and the rollout drew ``x_{t+1} = mu_old + std eps``. With ``Delta = mu_theta - mu_old`` the
+per-element-mean log-ratio is ``mean(eps Delta) / std - mean(Delta^2) / (2 std^2)``: its mean is below 0 (the
+second term) and its spread scales as ``1 / std``, which differs by orders of magnitude across timesteps, so a
+single clip range clips positive-advantage samples too late at some steps and never at others (the paper's
+analysis). The guard:
 
     b_t         = mean(Delta^2) / (2 std^2)                            (RatioNorm: the mean-shift term)
     log ratio_t = (log_prob - old_log_prob + b_t) * std                 (centred, and scaled to one spread)
@@ -32,10 +33,11 @@ without the guard is too wide with it.
 from __future__ import annotations
 
 import torch
+from pydantic import Field
 
 from solrl.config import RunConfig
 from solrl.registry import register_loss
-from solrl.stages.losses.base import Batch, PolicyLoss
+from solrl.stages.losses.base import Batch, LossOptions, PolicyLoss
 from solrl.stages.models.adapter import compute_precision, select_rows
 from solrl.stages.models.policy import Policy
 from solrl.stages.sampling.samplers import seed_noise
@@ -124,14 +126,31 @@ def grpo_loss(
     return loss, terms
 
 
+class FlowGRPOOptions(LossOptions):
+    clip_range: float = Field(1e-4, gt=0, description="PPO ratio clip epsilon (Flow-GRPO: 1e-4).")
+    grpo_guard: bool = Field(
+        False,
+        description="GRPO-Guard (arXiv 2510.22319): the importance ratio centred and scaled per timestep "
+        "(RatioNorm) and each step's loss weighted by 1/|dt| (gradient reweighting). The normalised ratio moves "
+        "about std times less, so it wants a smaller clip_range.",
+    )
+
+
 @register_loss("flow_grpo")
 class FlowGRPO(PolicyLoss):
     """Flow-GRPO: PPO-clipped log-probs of stored SDE steps; the rollout policy is the policy (d = 0)."""
 
     name = "flow_grpo"
+    Options = FlowGRPOOptions
+    off_policy_note = "; Flow-GRPO's ratio compares the policy with the quantized copy's log-probs"
     #: max |log_prob - old_log_prob| (nats) before the first step: 0 when the samples come from the policy
     #: itself, up to kernel rounding; 0.05 was measured training on NVFP4 explore samples.
     on_policy_bound = 0.01
+
+    @classmethod
+    def draws_seed_noise(cls, cfg: RunConfig) -> bool:
+        """GRPO-Guard recovers the rollout means from the seeds' draws."""
+        return cls.options(cfg.train).grpo_guard
 
     @classmethod
     def validate_config(cls, cfg: RunConfig) -> None:
@@ -203,12 +222,13 @@ class FlowGRPO(PolicyLoss):
         log_prob = gaussian_log_prob(x_next, mean, std)  # fp32
         ref_mean = None if v_ref is None else sde_mean(x_t, v_ref, sigma, sigma_next, noise_level, sigma_max)
         old = batch.old_log_probs[mb, t_index]
-        old_mean = rollout_mean(batch, mb, t_index, std, old) if tc.grpo_guard else None
+        options = cls.options(tc)
+        old_mean = rollout_mean(batch, mb, t_index, std, old) if options.grpo_guard else None
         loss, terms = grpo_loss(
             log_prob,
             old,
             batch.advantages[mb],
-            clip_range=tc.clip_range,
+            clip_range=options.clip_range,
             mean=mean,
             ref_mean=ref_mean,
             std=std,
@@ -232,7 +252,7 @@ def rollout_mean(
             ``OLD_MEAN_TOLERANCE`` (the trajectory was not sampled from its seeds' noise).
     """
     if batch.seeds is None or batch.trajectory is None:
-        raise ValueError("train.grpo_guard needs each sample's seed and its stored SDE trajectory")
+        raise ValueError("train.loss_options.grpo_guard needs each sample's seed and its stored SDE trajectory")
     x_next = batch.trajectory[rows, t_index + 1]
     if batch.noise is not None:  # drawn once for the update (``load_batch``)
         eps = batch.noise[rows, t_index + 1]
@@ -243,8 +263,8 @@ def rollout_mean(
     deviation = (gaussian_log_prob(x_next, old_mean, std) - old_log_prob.float()).abs().max().item()
     if not deviation <= OLD_MEAN_TOLERANCE:
         raise RuntimeError(
-            f"train.grpo_guard: the rollout mean recovered from the seeds' noise at step {t_index} gives log-probs "
-            f"{deviation:.3g} nats from the stored ones (tolerance {OLD_MEAN_TOLERANCE}): these trajectories were not "
-            f"sampled from their seeds' noise by solrl's SDE sampler; rerun the stage that sampled them"
+            f"train.loss_options.grpo_guard: the rollout mean recovered from the seeds' noise at step {t_index} gives "
+            f"log-probs {deviation:.3g} nats from the stored ones (tolerance {OLD_MEAN_TOLERANCE}): these trajectories "
+            f"were not sampled from their seeds' noise by solrl's SDE sampler; rerun the stage that sampled them"
         )
     return old_mean

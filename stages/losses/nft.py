@@ -17,10 +17,11 @@ Re-noise a clean sample ``x_t = (1 - t) x0 + t eps``. With the trained velocity 
 from __future__ import annotations
 
 import torch
+from pydantic import Field
 
 from solrl.config import RunConfig, TrainConfig
 from solrl.registry import register_loss
-from solrl.stages.losses.base import Batch, PolicyLoss
+from solrl.stages.losses.base import Batch, LossOptions, PolicyLoss
 from solrl.stages.models.adapter import compute_precision, select_rows
 from solrl.stages.models.policy import Policy
 
@@ -77,6 +78,14 @@ def nft_loss(
     return loss, terms
 
 
+class NFTOptions(LossOptions):
+    beta: float = Field(1.0, gt=0, description="NFT guidance strength beta (DiffusionNFT eq. 5).")
+    decay_rate: float = Field(
+        0.001, ge=0, description="Rollout-policy decay d = min(decay_rate * step, decay_max) (Algorithm 1)."
+    )
+    decay_max: float = Field(0.5, ge=0, lt=1, description="Upper bound of the rollout-policy decay d.")
+
+
 @register_loss("nft")
 class NFT(PolicyLoss):
     """DiffusionNFT on ODE rollouts (what the Sol-RL code trains): re-noise the clean sample at the sampler's
@@ -84,6 +93,7 @@ class NFT(PolicyLoss):
     ``d = min(decay_rate * step, decay_max)`` (DiffusionNFT Algorithm 1)."""
 
     name = "nft"
+    Options = NFTOptions
 
     @classmethod
     def trainable_steps(cls, batch: Batch) -> list[int]:
@@ -126,7 +136,7 @@ class NFT(PolicyLoss):
             x0,
             t,
             batch.advantages[part],
-            beta=tc.beta,
+            beta=cls.options(tc).beta,
             adv_clip_max=tc.adv_clip_max,
             kl_beta=tc.kl_beta,
         )
@@ -134,4 +144,5 @@ class NFT(PolicyLoss):
 
     @classmethod
     def rollout_decay(cls, step: int, tc: TrainConfig) -> float:
-        return min(tc.decay_rate * step, tc.decay_max)
+        options = cls.options(tc)
+        return min(options.decay_rate * step, options.decay_max)
