@@ -30,9 +30,8 @@ from solrl.flows.progress import start as start_progress
 from solrl.flows.runners import shard_submit_options, shard_task_runner
 from solrl.stages.context import StageContext
 from solrl.stages.guards import guard_trip
-from solrl.stages.memory import check_memory
 from solrl.stages.pipeline import ITERATION, STAGES, campaign_plan, first_pending, run_shard, run_stage, stage_shards
-from solrl.stages.runnable import check_runnable
+from solrl.stages.runnable import check_ready
 from solrl.stages.sharding import Shard
 from solrl.storage.artifacts import EvalSamples, Selection
 from solrl.storage.html_report import REPORT_DIR, write_report
@@ -279,12 +278,12 @@ def run_campaign(store: str, run_id: str) -> dict[str, float]:
     """The body of a campaign, inside the current flow run (``campaign``, or the deployment's ``sol-rl``): all
     iterations of a run, after evaluating the starting policy (iteration 0), in the order of ``campaign_plan``.
     Resumable: run it again and committed stages are skipped. Checks first that this machine can run the config
-    (``check_runnable``) and that its memory plan fits the device (``check_memory``), ConfigError otherwise, and
-    holds the run's lock so two processes never write one run."""
+    and that its memory plan fits the device (``check_ready``), ConfigError otherwise, and holds the run's lock so
+    two processes never write one run."""
     run = open_run(store, run_id)
-    check_runnable(run.config, run.prompts_sha256, run.weights)
+    memory = check_ready(run.config, run.prompts_sha256, run.weights)  # MemoryPlanError where the plan cannot fit
     logger = get_run_logger()
-    logger.info(check_memory(run.config))  # MemoryPlanError (a ConfigError) where the plan cannot fit
+    logger.info(memory)
     for warning in run.config.warnings():
         logger.warning(warning)
     plan = campaign_plan(run.config)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from solrl.config import ConfigError, load_config, validate_config
+from solrl.config import ConfigError, RunConfig, load_config, validate_config
 from solrl.weights import check_published_weights
 
 if TYPE_CHECKING:
@@ -198,19 +198,24 @@ def _report(store: str, run_id: str, outcome: str = "finished") -> None:
     )
 
 
-def _check_memory(cfg: object, force: bool) -> str:
-    """The memory plan against the device (``solrl.stages.memory.check_memory``); ``force`` also lets the campaign
-    flow past it (``SOLRL_FORCE_MEMORY``), and is said at once on stderr. Returns the plan's line for stdout, once the
-    run has started: an error after the plan stays the one line on stderr.
+def _check_ready(
+    cfg: RunConfig, force: bool, prompts_sha256: str | None = None, weights: dict[str, str] | None = None
+) -> str:
+    """``solrl.stages.runnable.check_ready``: this machine runs ``cfg``, and its memory plan fits the device;
+    ``force`` also lets the campaign flow past the plan (``SOLRL_FORCE_MEMORY``), and is said at once on stderr.
+    Returns the plan's line for stdout, once the run has started: an error after the plan stays the one line on
+    stderr.
 
     Raises:
-        MemoryPlanError: (a ConfigError) the plan does not fit the device and ``force`` is not set.
+        ConfigError: as ``check_runnable``; MemoryPlanError (a ConfigError) where the plan does not fit the device
+        and ``force`` is not set.
     """
-    from solrl.stages.memory import FORCE_ENV, check_memory
+    from solrl.stages.memory import FORCE_ENV
+    from solrl.stages.runnable import check_ready
 
     if force:
         os.environ[FORCE_ENV] = "1"
-    line = check_memory(cfg)
+    line = check_ready(cfg, prompts_sha256, weights)
     if force and "forced past" in line:
         typer.echo(f"solrl: warning: {line}", err=True)
     return line
@@ -269,12 +274,10 @@ def run(
             check_published_weights(cfg.model)  # so a missing download fails at once
             cfg = validate_config(cfg.model_dump(mode="json"))  # the plug-ins' own rules
             from solrl.stages.models import model_family
-            from solrl.stages.runnable import check_runnable
             from solrl.storage.runs import check_run_id, create_run, new_run_id, open_store
 
-            check_runnable(cfg)
             run_id = check_run_id(run_id or new_run_id(cfg.name))
-            memory = _check_memory(cfg, force)
+            memory = _check_ready(cfg, force)
             store = open_store(cfg.storage.root)
             store.check(write=True)  # an object store that cannot be used: one line, nothing written anywhere
             _start_prefect_early()  # after the checks: bad input exits at once, with no server to stop
@@ -381,10 +384,7 @@ def resume(
 
             run_ = open_run(store, run_id)
             check_published_weights(run_.config.model)  # before torch is imported
-            from solrl.stages.runnable import check_runnable
-
-            check_runnable(run_.config, run_.prompts_sha256, run_.weights)
-            memory = _check_memory(run_.config, force)
+            memory = _check_ready(run_.config, force, run_.prompts_sha256, run_.weights)
             with run_lock(run_.run_dir):  # refuse now, not after Prefect has started, when another process runs it
                 if shards is not None:
                     set_shards(store, run_id, shards)

@@ -74,3 +74,26 @@ def check_runnable(cfg: RunConfig, prompts_sha256: str | None = None, weights: d
             f"since the run was created, and its committed stages used the old prompts; restore "
             f"the files or start a new run"
         )
+
+
+def check_ready(
+    cfg: RunConfig,
+    prompts_sha256: str | None = None,
+    weights: dict[str, str] | None = None,
+    *,
+    force: bool | None = None,
+) -> str:
+    """Everything checked before a run's work starts, in one place (``solrl run``, ``solrl resume``, the campaign
+    flow): ``check_runnable``, then the memory plan against the device (``solrl.stages.memory.check_memory``;
+    ``force`` default ``$SOLRL_FORCE_MEMORY``).
+
+    Returns:
+        the memory plan's line for the log.
+
+    Raises:
+        ConfigError: as ``check_runnable``; ``MemoryPlanError`` (a ConfigError) where the plan does not fit.
+    """
+    from solrl.stages.memory import check_memory
+
+    check_runnable(cfg, prompts_sha256, weights)
+    return check_memory(cfg, force=force)
