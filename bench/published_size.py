@@ -60,36 +60,14 @@ def pickscore_at_published_width(out: Path) -> Path:
     """PickScore's CLIP (ViT-H/14: vision 1280 wide, 16 heads, patch 14 at 224 px; text 1024 wide; projection
     1024) at one layer per tower, random weights, with PickScore's published preprocessing (shortest edge 224,
     centre crop 224, CLIP's mean and std) and solrl's tiny CLIP tokenizer."""
-    import torch
-    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
+    from transformers import CLIPImageProcessor, CLIPProcessor
 
-    from solrl.stages.models.tiny_components import clip_tokenizer
+    from solrl.stages.models.tiny_components import clip_model, clip_tokenizer
 
     tokenizer = clip_tokenizer()
-    config = CLIPConfig(
-        text_config=dict(
-            vocab_size=len(tokenizer),
-            hidden_size=1024,
-            intermediate_size=4096,
-            num_hidden_layers=1,
-            num_attention_heads=16,
-            max_position_embeddings=77,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-        ),
-        vision_config=dict(
-            hidden_size=1280,
-            intermediate_size=5120,
-            num_hidden_layers=1,
-            num_attention_heads=16,
-            image_size=224,
-            patch_size=14,
-        ),
-        projection_dim=1024,
-    )
-    torch.manual_seed(0)
-    CLIPModel(config).save_pretrained(out)
+    text = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=1, num_attention_heads=16)
+    vision = dict(hidden_size=1280, intermediate_size=5120, num_hidden_layers=1, num_attention_heads=16)
+    clip_model(tokenizer, text, vision | dict(image_size=224, patch_size=14), 1024).save_pretrained(out)
     processor = CLIPProcessor(
         image_processor=CLIPImageProcessor(size={"shortest_edge": 224}, crop_size={"height": 224, "width": 224}),
         tokenizer=tokenizer,

@@ -62,18 +62,14 @@ CLIP_SIZES = {
 
 def build_clip(size: str, root: Path) -> str:
     """A random CLIPModel of ``size`` with a CLIPProcessor (224 px; a small local tokenizer), saved to ``root``."""
-    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
+    from transformers import CLIPImageProcessor, CLIPProcessor
 
-    from solrl.stages.models.tiny_components import clip_tokenizer
+    from solrl.stages.models.tiny_components import clip_model, clip_tokenizer
 
     spec = CLIP_SIZES[size]
     tokenizer = clip_tokenizer()
-    config = CLIPConfig(
-        text_config=dict(vocab_size=49408, max_position_embeddings=77, **spec["text"]),
-        vision_config=spec["vision"],
-        projection_dim=spec["projection_dim"],
-    )
-    CLIPModel(config).save_pretrained(root / size)
+    model = clip_model(tokenizer, spec["text"], spec["vision"], spec["projection_dim"], vocab_size=49408)
+    model.save_pretrained(root / size)
     CLIPProcessor(image_processor=CLIPImageProcessor(), tokenizer=tokenizer).save_pretrained(root / size)
     return str(root / size)
 

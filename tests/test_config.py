@@ -83,10 +83,7 @@ def test_config_is_frozen_and_hash_changes_with_values():
             r"train.stat_min_count=40 exceeds train.stat_buffer=32.*set train.stat_min_count <= 32",
         ),
         (["train.advantage_stats=history"], r"train.advantage_stats: Input should be 'group' or 'per_prompt'"),
-        (
-            ["train.loss=flow_grpo", "train.loss_options={clip_range: 0}"],
-            r"train.loss_options.clip_range: Input should be greater than 0",
-        ),
+        (["train.loss=flow_grpo", "train.loss_options={clip_range: 0}"], r"clip_range: Input should be greater than 0"),
         (["train.timestep_fraction=0"], r"train.timestep_fraction: Input should be greater than 0"),
         (["regenerate.sde_window=[3, 2]"], r"regenerate.sde_window=\[3, 2\] must satisfy 0 <= start < end <= "),
         (["regenerate.sde_window=[0, 10]"], r"end <= regenerate.steps - 1 = 9"),

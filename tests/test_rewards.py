@@ -30,36 +30,14 @@ def images() -> np.ndarray:
 @pytest.fixture(scope="module")
 def tiny_clip(tmp_path_factory) -> dict[str, str]:
     """A tiny random transformers CLIPModel + CLIPProcessor (local tokenizer) and an aesthetic head, saved."""
-    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
+    from transformers import CLIPImageProcessor, CLIPProcessor
 
-    from solrl.stages.models.tiny_components import clip_tokenizer
+    from solrl.stages.models.tiny_components import clip_model, clip_tokenizer
 
     root = tmp_path_factory.mktemp("clip")
     tokenizer = clip_tokenizer()
-    config = CLIPConfig(
-        text_config=dict(
-            vocab_size=len(tokenizer),
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            max_position_embeddings=77,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-        ),
-        vision_config=dict(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            image_size=32,
-            patch_size=8,
-        ),
-        projection_dim=16,
-    )
-    torch.manual_seed(0)
-    model = CLIPModel(config)
+    tower = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    model = clip_model(tokenizer, tower, tower | dict(image_size=32, patch_size=8), 16)
     model.save_pretrained(root / "clip")
     with torch.no_grad():
         model.text_projection.weight.neg_()

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from solrl.config import load_config
 from solrl.stages.rewards.base import build_reward, checked
@@ -24,17 +23,13 @@ CHAT_TEMPLATE = (
 
 
 def build_tiny_judge(out: Path) -> None:
-    """A Qwen2.5-VL of the real classes at random weights (2 layers, width 32, 1-block vision tower) and its
-    processor (byte-level Qwen tokenizer with the vision tokens, Qwen2-VL image and video processors)."""
+    """A Qwen2.5-VL of the real classes at random weights (``tiny_components.qwen2_5_vl``, as tiny-qwen-image's text
+    encoder) and its processor (byte-level Qwen tokenizer with the vision tokens, Qwen2-VL image and video
+    processors)."""
     from tokenizers.pre_tokenizers import ByteLevel
-    from transformers import (
-        Qwen2_5_VLConfig,
-        Qwen2_5_VLForConditionalGeneration,
-        Qwen2_5_VLProcessor,
-        Qwen2Tokenizer,
-        Qwen2VLImageProcessor,
-        Qwen2VLVideoProcessor,
-    )
+    from transformers import Qwen2_5_VLProcessor, Qwen2Tokenizer, Qwen2VLImageProcessor, Qwen2VLVideoProcessor
+
+    from solrl.stages.models.tiny_components import qwen2_5_vl
 
     vocab = {c: i for i, c in enumerate(sorted(ByteLevel.alphabet()))}
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -51,38 +46,10 @@ def build_tiny_judge(out: Path) -> None:
         chat_template=CHAT_TEMPLATE,
     ).save_pretrained(out)
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in specials}
-    torch.manual_seed(0)
-    Qwen2_5_VLForConditionalGeneration(
-        Qwen2_5_VLConfig(
-            text_config={
-                "hidden_size": 32,
-                "intermediate_size": 64,
-                "num_hidden_layers": 2,
-                "num_attention_heads": 2,
-                "num_key_value_heads": 1,
-                "vocab_size": len(tokenizer),
-                "rope_scaling": {"mrope_section": [2, 2, 4], "rope_type": "default", "type": "default"},
-                "rope_theta": 1e6,
-                "bos_token_id": None,
-                "eos_token_id": ids["<|im_end|>"],
-                "pad_token_id": ids["<|endoftext|>"],
-            },
-            vision_config={
-                "depth": 1,
-                "hidden_size": 16,
-                "intermediate_size": 16,
-                "num_heads": 2,
-                "out_hidden_size": 32,
-            },
-            vocab_size=len(tokenizer),
-            image_token_id=ids["<|image_pad|>"],
-            video_token_id=ids["<|video_pad|>"],
-            vision_start_token_id=ids["<|vision_start|>"],
-            vision_end_token_id=ids["<|vision_end|>"],
-            eos_token_id=ids["<|im_end|>"],
-            pad_token_id=ids["<|endoftext|>"],
-        )
-    ).eval().save_pretrained(out)
+    vision = {"image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>"}
+    vision |= {"vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>"}
+    model = qwen2_5_vl(len(tokenizer), ids["<|im_end|>"], ids["<|endoftext|>"], {k: ids[v] for k, v in vision.items()})
+    model.save_pretrained(out)
 
 
 @pytest.fixture(scope="module")

@@ -26,8 +26,7 @@ from torch import nn
 
 from solrl.registry import register_model
 from solrl.stages.models.adapter import Conditioning
-from solrl.stages.models.diffusers_family import TinyFamily
-from solrl.stages.models.flux import Flux
+from solrl.stages.models.flux import Flux, TinyFlux
 
 
 @register_model("chroma")
@@ -92,14 +91,11 @@ class Chroma(Flux):
 
 @register_model("tiny-chroma")
 @dataclass
-class TinyChroma(TinyFamily, Chroma):
-    """A tiny random Chroma of the real classes (1 double + 1 single block, a 1-layer modulation network, 32 px):
-    the plumbing on CPU, not learning."""
+class TinyChroma(TinyFlux, Chroma):
+    """A tiny random Chroma of the real classes (tiny-flux's widths and tiny components, a 1-layer modulation
+    network, 32 px): the plumbing on CPU, not learning."""
 
     name: ClassVar[str] = "tiny-chroma"
-    default_resolution: ClassVar[int] = 32
-    resolution_multiple: ClassVar[int] = 4  # the tiny VAE downsamples by 2
-    default_max_sequence_length: ClassVar[int] = 16
 
     @classmethod
     def tiny_transformer(cls):  # -> diffusers.ChromaTransformer2DModel
@@ -108,35 +104,18 @@ class TinyChroma(TinyFamily, Chroma):
 
         torch.manual_seed(0)
         return ChromaTransformer2DModel(
-            patch_size=1,
-            in_channels=16,
-            num_layers=1,
-            num_single_layers=1,
-            attention_head_dim=16,
-            num_attention_heads=2,
-            joint_attention_dim=32,
-            axes_dims_rope=(4, 4, 8),
-            approximator_num_channels=16,
-            approximator_hidden_dim=32,
-            approximator_layers=1,
-        )  # in_channels = 4 x the VAE's latent channels; joint = T5 width
+            **cls.tiny_widths, approximator_num_channels=16, approximator_hidden_dim=32, approximator_layers=1
+        )
 
     @classmethod
     def build_tiny(cls, out: Path) -> None:
-        from diffusers import ChromaPipeline, FlowMatchEulerDiscreteScheduler
+        from diffusers import ChromaPipeline
 
         from solrl.stages.models.tiny_components import autoencoder_kl, t5_encoder, t5_tokenizer
 
         tokenizer = t5_tokenizer()
         ChromaPipeline(
-            scheduler=FlowMatchEulerDiscreteScheduler(
-                shift=3.0,
-                use_dynamic_shifting=True,
-                base_shift=0.5,
-                max_shift=1.15,
-                base_image_seq_len=256,
-                max_image_seq_len=4096,
-            ),
+            scheduler=cls.tiny_scheduler(),
             vae=autoencoder_kl(0.3611, 0.1159),  # FLUX.1's VAE, which Chroma uses
             text_encoder=t5_encoder(tokenizer, d_model=32),
             tokenizer=tokenizer,

@@ -111,28 +111,43 @@ class TinyFlux(TinyFamily, Flux):
     resolution_multiple: ClassVar[int] = 4  # the tiny VAE downsamples by 2
     default_max_sequence_length: ClassVar[int] = 16
 
+    #: The tiny transformer's widths (1 double + 1 single block), shared by the twins of FLUX.1's derivatives.
+    tiny_widths: ClassVar[dict[str, Any]] = {
+        "patch_size": 1,
+        "in_channels": 16,  # 4 x the VAE's latent channels
+        "num_layers": 1,
+        "num_single_layers": 1,
+        "attention_head_dim": 16,
+        "num_attention_heads": 2,
+        "joint_attention_dim": 32,  # the T5 width
+        "axes_dims_rope": [4, 4, 8],
+    }
+
     @classmethod
     def tiny_transformer(cls):  # -> diffusers.FluxTransformer2DModel
         """The tiny random transformer of this family (seeded: the same weights on every machine)."""
         from diffusers import FluxTransformer2DModel
 
         torch.manual_seed(0)
-        return FluxTransformer2DModel(
-            patch_size=1,
-            in_channels=16,
-            num_layers=1,
-            num_single_layers=1,
-            attention_head_dim=16,
-            num_attention_heads=2,
-            joint_attention_dim=32,
-            pooled_projection_dim=32,
-            axes_dims_rope=[4, 4, 8],
-            guidance_embeds=True,
-        )  # in_channels = 4 x the VAE's latent channels; joint = T5 width; pooled = CLIP width
+        return FluxTransformer2DModel(**cls.tiny_widths, pooled_projection_dim=32, guidance_embeds=True)  # CLIP width
+
+    @classmethod
+    def tiny_scheduler(cls):  # -> diffusers.FlowMatchEulerDiscreteScheduler
+        """FLUX.1's scheduler config: dynamic shifting 0.5 -> 1.15 over 256 -> 4096 image tokens."""
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        return FlowMatchEulerDiscreteScheduler(
+            shift=3.0,
+            use_dynamic_shifting=True,
+            base_shift=0.5,
+            max_shift=1.15,
+            base_image_seq_len=256,
+            max_image_seq_len=4096,
+        )
 
     @classmethod
     def build_tiny(cls, out: Path) -> None:
-        from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+        from diffusers import FluxPipeline
 
         from solrl.stages.models.tiny_components import (
             autoencoder_kl,
@@ -147,14 +162,7 @@ class TinyFlux(TinyFamily, Flux):
         text_encoder_2 = t5_encoder(tokenizer_2, d_model=32)
         vae = autoencoder_kl(0.3611, 0.1159)  # the published VAE's scaling and shift factors
         transformer = cls.tiny_transformer()
-        scheduler = FlowMatchEulerDiscreteScheduler(
-            shift=3.0,
-            use_dynamic_shifting=True,
-            base_shift=0.5,
-            max_shift=1.15,
-            base_image_seq_len=256,
-            max_image_seq_len=4096,
-        )
+        scheduler = cls.tiny_scheduler()
         FluxPipeline(
             scheduler=scheduler,
             vae=vae,

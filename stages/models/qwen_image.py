@@ -166,9 +166,8 @@ class TinyQwenImage(TinyFamily, QwenImage):
     @classmethod
     def build_tiny(cls, out: Path) -> None:
         from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline
-        from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-        from solrl.stages.models.tiny_components import qwen_tokenizer
+        from solrl.stages.models.tiny_components import qwen2_5_vl, qwen_tokenizer
 
         tokenizer = qwen_tokenizer()
         torch.manual_seed(0)
@@ -181,39 +180,17 @@ class TinyQwenImage(TinyFamily, QwenImage):
             latents_mean=[0.1, -0.2, 0.05, 0.0],
             latents_std=[1.5, 2.0, 1.8, 2.5],
         )
-        torch.manual_seed(0)
-        text_encoder = Qwen2_5_VLForConditionalGeneration(
-            Qwen2_5_VLConfig(
-                text_config={
-                    "hidden_size": 32,
-                    "intermediate_size": 64,
-                    "num_hidden_layers": 2,
-                    "num_attention_heads": 2,
-                    "num_key_value_heads": 1,
-                    "vocab_size": len(tokenizer),
-                    "rope_scaling": {"mrope_section": [2, 2, 4], "rope_type": "default", "type": "default"},
-                    "rope_theta": 1000000.0,
-                    "bos_token_id": None,
-                    "eos_token_id": tokenizer.eos_token_id,
-                    "pad_token_id": tokenizer.pad_token_id,
-                },
-                vision_config={
-                    "depth": 1,
-                    "hidden_size": 16,
-                    "intermediate_size": 16,
-                    "num_heads": 2,
-                    "out_hidden_size": 32,
-                },
-                vocab_size=len(tokenizer),
-                bos_token_id=None,
-                eos_token_id=tokenizer.eos_token_id,
-                # the vision tokens lie outside the tiny vocabulary: a text prompt never holds one
-                image_token_id=len(tokenizer) + 3,
-                video_token_id=len(tokenizer) + 4,
-                vision_start_token_id=len(tokenizer) + 1,
-                vision_end_token_id=len(tokenizer) + 2,
-            )
-        ).eval()
+        text_encoder = qwen2_5_vl(
+            len(tokenizer),
+            tokenizer.eos_token_id,
+            tokenizer.pad_token_id,
+            {  # the vision tokens lie outside the tiny vocabulary: a text prompt never holds one
+                "image_token_id": len(tokenizer) + 3,
+                "video_token_id": len(tokenizer) + 4,
+                "vision_start_token_id": len(tokenizer) + 1,
+                "vision_end_token_id": len(tokenizer) + 2,
+            },
+        )
         QwenImagePipeline(
             scheduler=FlowMatchEulerDiscreteScheduler(
                 shift=1.0,

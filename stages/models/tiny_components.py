@@ -12,6 +12,8 @@ import string
 
 import torch
 from transformers import (
+    CLIPConfig,
+    CLIPModel,
     CLIPTextConfig,
     CLIPTextModel,
     CLIPTextModelWithProjection,
@@ -19,6 +21,8 @@ from transformers import (
     Gemma2Config,
     Gemma2Model,
     GemmaTokenizer,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
     Qwen2Tokenizer,
     Qwen3Config,
     Qwen3ForCausalLM,
@@ -112,6 +116,43 @@ def qwen3_encoder(
     ).eval()
 
 
+def qwen2_5_vl(
+    vocab_size: int, eos_token_id: int, pad_token_id: int | None, vision_ids: dict[str, int], seed: int = 0
+) -> Qwen2_5_VLForConditionalGeneration:
+    """A small Qwen2.5-VL (2 text layers of width 32, a 1-block vision tower) with its LM head: Qwen-Image's text
+    encoder and a VLM judge's model. ``vision_ids``: ``image_token_id``, ``video_token_id``,
+    ``vision_start_token_id`` and ``vision_end_token_id``."""
+    torch.manual_seed(seed)
+    return Qwen2_5_VLForConditionalGeneration(
+        Qwen2_5_VLConfig(
+            text_config={
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 1,
+                "vocab_size": vocab_size,
+                "rope_scaling": {"mrope_section": [2, 2, 4], "rope_type": "default", "type": "default"},
+                "rope_theta": 1000000.0,
+                "bos_token_id": None,
+                "eos_token_id": eos_token_id,
+                "pad_token_id": pad_token_id,
+            },
+            vision_config={
+                "depth": 1,
+                "hidden_size": 16,
+                "intermediate_size": 16,
+                "num_heads": 2,
+                "out_hidden_size": 32,
+            },
+            vocab_size=vocab_size,
+            bos_token_id=None,
+            eos_token_id=eos_token_id,
+            **vision_ids,
+        )
+    ).eval()
+
+
 def clip_text_model(
     tokenizer: CLIPTokenizer, hidden: int, projection: int | None = None, seed: int = 0, act: str = "quick_gelu"
 ) -> CLIPTextModel | CLIPTextModelWithProjection:
@@ -132,6 +173,35 @@ def clip_text_model(
     )
     torch.manual_seed(seed)
     return (CLIPTextModelWithProjection(config) if projection else CLIPTextModel(config)).eval()
+
+
+def clip_model(
+    tokenizer: CLIPTokenizer,
+    text: dict[str, int],
+    vision: dict[str, int],
+    projection_dim: int,
+    *,
+    vocab_size: int | None = None,
+    seed: int = 0,
+) -> CLIPModel:
+    """A CLIPModel (text and vision towers, projections) over ``tokenizer`` with random weights: ``text`` and
+    ``vision`` are transformers' ``CLIPTextConfig``/``CLIPVisionConfig`` sizes (``hidden_size``, ``num_hidden_layers``,
+    ...; the vision tower's ``image_size`` and ``patch_size``), the vocabulary the tokenizer's unless ``vocab_size``
+    (a published model's, for its parameter count). For the reward tests and benchmarks."""
+    config = CLIPConfig(
+        text_config=dict(
+            vocab_size=vocab_size or len(tokenizer),
+            max_position_embeddings=77,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            **text,
+        ),
+        vision_config=vision,
+        projection_dim=projection_dim,
+    )
+    torch.manual_seed(seed)
+    return CLIPModel(config)
 
 
 def t5_encoder(tokenizer: T5TokenizerFast, d_model: int, seed: int = 0) -> T5EncoderModel:
