@@ -177,8 +177,8 @@ class Registry(Generic[T]):
 
     def declared(self, name: str, attribute: str, default: Any = None) -> Any:
         """A plug-in's own class attribute without importing it when it is built-in (its literal value in its
-        class body; ``default`` where that body assigns none, inherited values included), else the registered
-        entry's attribute.
+        class body; ``default`` where that body assigns none: an inherited value is not read), else the registered
+        entry's attribute (inherited values included).
 
         Raises:
             ValueError: no plug-in of that name.

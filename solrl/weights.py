@@ -95,11 +95,12 @@ def published_weights(family: str, path: str | None) -> PublishedWeights | None:
     variant whose hub id is the path, or whose repository name is the path's last folder (a local copy); else the
     family's own ``hub_id``; None for a family that declares none (a tiny twin, tiny-digits).
 
-    Raises:
-        ValueError: ``family`` is not registered.
+    An unregistered family has none here: the config's validation names it.
     """
     from solrl.registry import MODELS
 
+    if family not in MODELS:
+        return None
     if path:
         name = Path(path).expanduser().name
         for hub_id, hint in MODELS.declared(family, "published_variants", ()):
