@@ -525,9 +525,9 @@ class RunConfig(_Section):
 
     def warnings(self) -> list[str]:
         """Settings that are valid but that a user should know about before a long run (pure)."""
-        found = []
         from solrl.registry import EXPLORE_BACKENDS, LOSSES
 
+        found = []
         low_precision = EXPLORE_BACKENDS.declared(self.explore.precision, "low_precision", True)
         if not self.regenerate.enabled and low_precision:
             found.append(
