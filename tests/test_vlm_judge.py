@@ -124,7 +124,7 @@ def test_answers_that_share_a_first_token_or_a_question_without_the_prompt_are_r
 
 @pytest.mark.slow
 def test_two_differently_configured_judges_score_one_campaign(tmp_path: Path, judge_path: str):
-    """judge_yes (P(Yes)) and judge_grade (a 1..5 grade, with its rationale) train one 2-iteration campaign: both
+    """judge_yes (P(Yes)) and judge_grade (a 1..5 grade, with its rationale) train one campaign: both
     score every candidate under their own names, and the rationale lands in the rewards tables beside the
     grade's rows only."""
     from solrl.flows.sol_rl import campaign
@@ -149,13 +149,14 @@ def test_two_differently_configured_judges_score_one_campaign(tmp_path: Path, ju
         [
             f"storage.root={tmp_path / 'store'}",
             "reward.weights={judge_yes: 1.0, judge_grade: 0.25}",
+            "campaign.iterations=1",
             f"reward.models={json.dumps(models)}",
         ],
     )
     check_runnable(cfg)
     run = create_run(cfg, "two-judges")
     campaign(str(run.run_dir.parent), run.run_id)
-    for table in (ExploreRewards.load(run.run_dir, 2).frame, RegeneratedRewards.load(run.run_dir, 2).frame):
+    for table in (ExploreRewards.load(run.run_dir, 1).frame, RegeneratedRewards.load(run.run_dir, 1).frame):
         assert set(table["reward"]) == {"judge_yes", "judge_grade"}
         yes, graded = table[table["reward"] == "judge_yes"], table[table["reward"] == "judge_grade"]
         assert yes["value"].between(0, 1).all() and graded["value"].between(1, 5).all()
