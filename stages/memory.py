@@ -300,7 +300,6 @@ def measure(
     """
     from peft import LoraConfig
 
-    import solrl.stages.quant.backends  # noqa: F401  (registers the explore backends)
     from solrl.registry import EXPLORE_BACKENDS, MODELS
     from solrl.stages.quant.nvfp4 import eligible_layers
 
