@@ -6,9 +6,10 @@ answers, weight the answers' values,
 
     r = sum_a softmax(logits[t(a)])_a * value(a),
 
-which is P(yes) for ``{Yes: 1, No: 0}`` and the expected grade for a scale. This is how VLM judges are read as
-rewards: UnifiedReward-Think / UnifiedReward-qwen (Wang et al. 2025) and Q-Align's level tokens (Wu et al. 2024,
-eq. 4); VisualQuality-R1 (Wu et al. 2025) reads its score from the answer. The checkpoint (``model_path``, e.g.
+which is P(yes) for ``{Yes: 1, No: 0}`` (VQAScore, Lin et al. 2024) and the expected grade for a scale (Q-Align's
+probability-weighted levels, Wu et al. 2024). UnifiedReward (Wang et al. 2025) and VisualQuality-R1 (Wu et al.
+2025) are Qwen2.5-VL judges of this kind that answer in words; their checkpoints load here, read by their answer
+tokens' probabilities rather than by parsing the text. The checkpoint (``model_path``, e.g.
 ``CodeGoat24/UnifiedReward-qwen-7b`` or ``Qwen/Qwen2.5-VL-7B-Instruct``) is loaded with transformers'
 ``AutoModelForImageTextToText`` and ``AutoProcessor``, and its own chat template builds the question. With
 ``rationale: true`` the judge also answers in words (greedy, ``max_new_tokens``), stored as the ``rationale`` column
