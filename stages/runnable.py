@@ -76,16 +76,10 @@ def check_runnable(cfg: RunConfig, prompts_sha256: str | None = None, weights: d
         )
 
 
-def check_ready(
-    cfg: RunConfig,
-    prompts_sha256: str | None = None,
-    weights: dict[str, str] | None = None,
-    *,
-    force: bool | None = None,
-) -> str:
+def check_ready(cfg: RunConfig, prompts_sha256: str | None = None, weights: dict[str, str] | None = None) -> str:
     """Everything checked before a run's work starts, in one place (``solrl run``, ``solrl resume``, the campaign
-    flow): ``check_runnable``, then the memory plan against the device (``solrl.stages.memory.check_memory``;
-    ``force`` default ``$SOLRL_FORCE_MEMORY``).
+    flow): ``check_runnable``, then the memory plan against the device (``solrl.stages.memory.check_memory``, which
+    ``$SOLRL_FORCE_MEMORY`` lets past).
 
     Returns:
         the memory plan's line for the log.
@@ -96,4 +90,4 @@ def check_ready(
     from solrl.stages.memory import check_memory
 
     check_runnable(cfg, prompts_sha256, weights)
-    return check_memory(cfg, force=force)
+    return check_memory(cfg)

@@ -79,7 +79,7 @@ def nft_loss(
 
 
 class NFTOptions(LossOptions):
-    beta: float = Field(1.0, gt=0, description="NFT guidance strength beta (DiffusionNFT eq. 5).")
+    beta: float = Field(1.0, gt=0, description="NFT guidance strength beta (DiffusionNFT).")
     decay_rate: float = Field(
         0.001, ge=0, description="Rollout-policy decay d = min(decay_rate * step, decay_max) (Algorithm 1)."
     )

@@ -33,9 +33,6 @@ class Scores:
     values: np.ndarray
     columns: dict[str, list[Any]] = field(default_factory=dict)
 
-    def __len__(self) -> int:
-        return len(self.values)
-
     @staticmethod
     def join(parts: Sequence[Scores]) -> Scores:
         """The parts one after another (each part holding the same columns)."""
