@@ -104,7 +104,7 @@ def run_case(preset: str, args: argparse.Namespace, device: torch.device) -> str
     cfg = load_config(preset)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     adapter = build(cfg, device, dtype)
-    net, skip, min_dim = adapter.transformer, adapter.nvfp4_skip, cfg.explore.min_dim
+    net, skip, min_dim = adapter.transformer, adapter.explore_skip, cfg.explore.min_dim
     batch = 4 if args.smoke else args.batch
     params = sum(p.numel() for p in net.parameters())
     variants = {"eager": [False], "compiled": [True], "both": [False, True]}[args.compile]

@@ -245,7 +245,7 @@ def check_explore() -> str:
 
     def run(precision, family, cfg, policy):
         out = []
-        skip, min_dim = policy.model.nvfp4_skip, cfg.explore.min_dim
+        skip, min_dim = policy.model.explore_skip, cfg.explore.min_dim
         planned = EXPLORE_BACKENDS.get(precision).copy_bytes(policy.transformer, skip, min_dim)
         emulated = "nvfp4_emulated" if "nvfp4" in precision else "fp8_emulated"
         for batch in (4, 24):

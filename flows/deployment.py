@@ -17,7 +17,7 @@ from solrl.stages.runnable import check_runnable
 
 @flow(name="sol-rl")
 def sol_rl(
-    config: str = "tiny-digits",
+    config: str | None = None,
     overrides: list[str] = [],  # noqa: B006 - Prefect copies parameters per run; a list shows as a list field in the UI form
     base_overrides: list[str] = [],  # noqa: B006
     iterations: Annotated[int | None, Field(ge=1)] = None,
@@ -34,8 +34,8 @@ def sol_rl(
     the name given in the form; its tags name the solrl run and the preset.
 
     Args:
-        config: Preset name (configs/*.yaml, e.g. tiny-digits, sol-rl, flow-grpo) or a YAML path on the machine
-            that runs the flow.
+        config: Preset name (configs/*.yaml, e.g. sol-rl) or a YAML path on the machine that runs the flow
+            (empty: the default preset, as `solrl run` without --config).
         overrides: Settings of this run, one section.key=value per item, as `solrl run --set` takes them, e.g.
             campaign.prompts_per_iteration=4 or explore.pool_size=64.
         base_overrides: The served config's own overrides (`solrl serve --set ...`), applied before overrides;

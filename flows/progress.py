@@ -17,9 +17,6 @@ from contextlib import contextmanager
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-#: Evaluation metrics shown in the progress line and the per-iteration log line, when the run has them.
-SHOWN = ("eval/digit_evaluator", "eval/digit_alignment", "eval/pickscore", "eval/diversity", "eval/grid_energy")
-
 
 def format_seconds(seconds: float) -> str:
     """``h:mm:ss`` (``-:--:--`` when unknown)."""
@@ -67,7 +64,8 @@ class CampaignProgress:
         return (self.ran_seconds / self.ran) * (self.total - self.done) if self.ran else float("nan")
 
     def evaluation(self) -> str:
-        return " ".join(f"{k.removeprefix('eval/')} {self.latest[k]:.3f}" for k in SHOWN if k in self.latest)
+        """The latest evaluation's metrics, in the evaluate stage's order (its rewards, then the guards')."""
+        return " ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in self.latest.items())
 
     def _refresh(self, where: str) -> None:
         if self._progress is not None:
@@ -94,7 +92,8 @@ class CampaignProgress:
         if not skipped:
             self.ran += 1
             self.ran_seconds += seconds
-        self.latest |= {k: v for k, v in metrics.items() if k.startswith("eval/")}
+        if evaluation := {k: v for k, v in metrics.items() if k.startswith("eval/")}:
+            self.latest = evaluation
         self._refresh(f"iteration {iteration}/{self.iterations} {stage} done")
 
     def summary(self, iteration: int) -> str:
@@ -154,8 +153,8 @@ class _StageNotes(logging.Handler):
 def stage_notes(
     run_logger: logging.Logger | logging.LoggerAdapter, progress: CampaignProgress | None = None
 ) -> Iterator[None]:
-    """While a stage runs: what solrl's stage code logs at INFO or above (``compiling nvfp4_emulated explore
-    copy: ...``) goes to the stage's Prefect task log and, on a terminal, after the stage's name in the live line
+    """While a stage runs: what solrl's stage code logs at INFO or above (``compiling the explore copy:
+    ...``) goes to the stage's Prefect task log and, on a terminal, after the stage's name in the live line
     of ``progress`` (default: the campaign running in this process)."""
     solrl_log = logging.getLogger("solrl")
     handler, level = _StageNotes(run_logger, progress or _current), solrl_log.level

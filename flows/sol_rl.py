@@ -97,7 +97,7 @@ _TRACKERS: dict[str, Tracker] = {}
 
 def _tracker(run) -> Tracker:
     """One MLflow tracker per run and process: opening MLflow's sqlite store costs about 0.7 s, which every
-    iteration subflow paid before (8% of a tiny-digits iteration, ``bench/overhead.py``)."""
+    iteration subflow paid before (8% of an iteration of the default preset, ``bench/overhead.py``)."""
     key = str(run.run_dir)
     if key not in _TRACKERS:
         _TRACKERS[key] = Tracker(run)

@@ -16,6 +16,7 @@ the config, never stored in it.
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import json
 import os
@@ -27,6 +28,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from solrl.configs import DEFAULT as DEFAULT_PRESET
 from solrl.prompts import PromptFileError, PromptSet, read_prompt_set, split
 
 SelectStrategy = Literal["best_worst", "top_k", "random"]
@@ -69,12 +71,13 @@ class ModelConfig(_Section):
     """Which model family the policy is, where its weights are, and its LoRA."""
 
     family: str = Field(
-        "tiny-digits", description="Registered model family (DESIGN 5). tiny-digits: the CPU model shipped with solrl."
+        default_factory=lambda: _preset_default("model", "family"),
+        description="Registered model family (DESIGN 5; docs: Models).",
     )
     path: str | None = Field(
         None,
         description="Diffusers-format weights folder (or a hub id where the user is online and has the weights); "
-        "null = the family's default (tiny-digits: shipped; tiny-*: built on first use in the solrl cache).",
+        "null = the family's default (shipped with solrl, built on first use in the solrl cache, or its hub id).",
     )
     resolution: int | None = Field(
         None, ge=8, description="Image height and width in pixels; null = the family's default."
@@ -108,7 +111,7 @@ class ModelConfig(_Section):
     dtype: Literal["auto", "bfloat16", "float32"] = Field(
         "auto",
         description="Weights dtype of the transformer, VAE and text encoders: auto = bfloat16 on CUDA (BF16 train), "
-        "float32 on CPU (tiny-digits: float32 everywhere). bfloat16 on CPU runs the published precision anywhere "
+        "float32 on CPU (a family may keep float32 everywhere). bfloat16 on CPU runs the published precision anywhere "
         "(slower there; bench/published_size.py), computing under bf16 autocast as on CUDA.",
     )
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = Field(
@@ -122,9 +125,9 @@ class ExploreConfig(_Section):
     """Step 1: sample the candidate pool with the low-precision rollout copy."""
 
     precision: str = Field(
-        "nvfp4_emulated",
-        description="Registered explore backend: bf16 (float32 on CPU), nvfp4_emulated, "
-        "fp8_emulated (fake quantization anywhere), nvfp4 (Blackwell), fp8 (Ada/Hopper/Blackwell).",
+        default_factory=lambda: _preset_default("explore", "precision"),
+        description="Registered explore backend, the numerics of the explore copy (DESIGN 2; docs: Explore "
+        "precisions and hardware, which says where each runs).",
     )
     steps: int = Field(6, ge=1, description="Euler ODE steps for explore sampling.")
     pool_size: int = Field(32, ge=2, description="Candidates (seeds) per prompt.")
@@ -160,15 +163,20 @@ class RegenerateConfig(_Section):
     """Step 4: regenerate the kept seeds with the full-precision rollout policy."""
 
     enabled: bool = Field(
-        True, description="false: train on the explore samples themselves (naive FP4, BF16 scaling, DiffusionNFT)."
+        True, description="false: train on the explore samples themselves (the naive-FP4 and BF16-scaling ablations)."
     )
     steps: int = Field(10, ge=1, description="Sampling steps (also the training timestep grid).")
     batch_size: int = Field(256, ge=1, description="Samples per forward pass.")
     noise_level: float = Field(
-        0.7, ge=0, description="Flow-GRPO SDE noise level a (used with train.loss=flow_grpo; 0 = ODE only)."
+        0.7,
+        ge=0,
+        description="SDE noise level a of the rollouts, for a loss that trains on SDE log-probs (the loss says "
+        "whether it does; 0 = ODE only).",
     )
     sde_window: tuple[int, int] | None = Field(
-        None, description="flow_grpo 'fast': SDE on steps [start, end), ODE elsewhere, train the window only."
+        None,
+        description="For a loss on SDE log-probs, the 'fast' schedule: SDE on steps [start, end), ODE elsewhere, "
+        "train the window only.",
     )
     compile: bool = Field(
         False,
@@ -178,9 +186,12 @@ class RegenerateConfig(_Section):
 
 
 class TrainConfig(_Section):
-    """Step 6: the policy update (DiffusionNFT loss, DESIGN 1)."""
+    """Step 6: the policy update (a registered policy loss, DESIGN 1)."""
 
-    loss: str = Field("nft", description="Registered policy loss (DESIGN 1; docs: losses).")
+    loss: str = Field(
+        default_factory=lambda: _preset_default("train", "loss"),
+        description="Registered policy loss (DESIGN 1; docs: losses).",
+    )
     loss_options: dict[str, Any] = Field(
         default_factory=dict,
         description="The loss's own options, validated by the loss (its Options; docs: losses); a stored config "
@@ -308,17 +319,17 @@ class RewardConfig(_Section):
     """Training reward (weighted sum) and the rewards evaluation reports."""
 
     weights: dict[str, float] = Field(
-        default_factory=lambda: {"digit_alignment": 1.0}, description="reward name -> weight"
+        default_factory=lambda: _preset_default("reward", "weights"), description="reward name -> weight"
     )
     evaluate: list[str] = Field(
-        default_factory=lambda: ["digit_alignment", "digit_evaluator", "jpeg_compressibility"],
+        default_factory=lambda: _preset_default("reward", "evaluate"),
         description="Rewards logged on the held-out evaluation samples.",
     )
     models: dict[str, dict[str, Any]] = Field(
         default_factory=dict,
         description="reward name -> its options (weights paths, device, dtype, batch_size, keep_loaded), each "
         "validated by the reward itself. A name may be an instance of a registered reward named by its 'type' "
-        "(judge_a: {type: pickscore, path: ...}), so one reward can score a run twice, configured differently.",
+        "(judge_a: {type: <registered reward>, path: ...}), so one reward can score a run twice, configured differently.",
     )
     normalize: Literal["none", "group"] = Field(
         "none",
@@ -414,7 +425,7 @@ class TrackingConfig(_Section):
         5,
         ge=0,
         description="Rewrite the run store's HTML report (<run>/report/) every N iterations and link it from the "
-        "Prefect UI; 0 = only when the campaign ends. About 2 s per report for tiny-digits on 2 cores.",
+        "Prefect UI; 0 = only when the campaign ends. About 2 s per report for the default preset on 2 cores.",
     )
 
 
@@ -426,12 +437,12 @@ class CampaignConfig(_Section):
         8, ge=1, description="Training prompts drawn per iteration (each gets its own candidate pool and group)."
     )
     prompts_file: str = Field(
-        "prompts/tiny-digits-train.txt",
+        default_factory=lambda: _preset_default("campaign", "prompts_file"),
         description="Plain text (one prompt a line) or JSONL (a prompt and its metadata a line); relative to "
         "the preset.",
     )
     eval_prompts_file: str | None = Field(
-        "prompts/tiny-digits-eval.txt",
+        default_factory=lambda: _preset_default("campaign", "eval_prompts_file"),
         description="Held-out evaluation prompts; null = a fixed split of prompts_file (campaign.eval_fraction).",
     )
     eval_fraction: float = Field(
@@ -484,7 +495,7 @@ class CampaignConfig(_Section):
     guard_grid_min: float = Field(
         0.01,
         ge=0,
-        description="Grid alarm: the energy below which it never fires (tiny-digits starts near 0.0005, so the "
+        description="Grid alarm: the energy below which it never fires (the default preset starts near 0.0005, so the "
         "multiple alone would fire early; its unregularised run ends near 0.01, visibly checkered).",
     )
     guard_temporal_factor: float = Field(
@@ -510,18 +521,21 @@ class CampaignConfig(_Section):
 class RunConfig(_Section):
     """A whole run. ``base_dir`` is where relative prompt files resolve (the preset's folder)."""
 
-    name: str = Field("tiny-digits", description="The preset's name (the default prefix of run ids).")
+    name: str = Field(
+        default_factory=lambda: _preset_default(None, "name"),
+        description="The preset's name (the default prefix of run ids).",
+    )
     base_dir: str = Field("", description="Set by the loader: folder of the preset, for relative paths.")
-    model: ModelConfig = ModelConfig()
-    explore: ExploreConfig = ExploreConfig()
-    select: SelectConfig = SelectConfig()
-    regenerate: RegenerateConfig = RegenerateConfig()
-    train: TrainConfig = TrainConfig()
-    reward: RewardConfig = RewardConfig()
-    fidelity: FidelityConfig = FidelityConfig()
-    storage: StorageConfig = StorageConfig()
-    tracking: TrackingConfig = TrackingConfig()
-    campaign: CampaignConfig = CampaignConfig()
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    explore: ExploreConfig = Field(default_factory=ExploreConfig)
+    select: SelectConfig = Field(default_factory=SelectConfig)
+    regenerate: RegenerateConfig = Field(default_factory=RegenerateConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    fidelity: FidelityConfig = Field(default_factory=FidelityConfig)
+    storage: StorageConfig = Field(default_factory=StorageConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    campaign: CampaignConfig = Field(default_factory=CampaignConfig)
 
     def warnings(self) -> list[str]:
         """Settings that are valid but that a user should know about before a long run (pure)."""
@@ -550,7 +564,7 @@ class RunConfig(_Section):
         train = migrate_train(data["train"])
         from solrl.registry import LOSSES
 
-        name = train.get("loss", TrainConfig.model_fields["loss"].default)
+        name = train.get("loss", _preset_default("train", "loss"))
         plugins = not (info.context and info.context.get("plugins") is False)
         if plugins and isinstance(name, str) and name in LOSSES and isinstance(train.get("loss_options", {}), dict):
             Options = LOSSES.get(name).Options
@@ -598,7 +612,7 @@ class RunConfig(_Section):
                 f"regenerate.steps - 1 = {self.regenerate.steps - 1} (the last step is ODE)"
             )
         if not self.reward.weights:
-            raise ValueError("reward.weights is empty; give at least one reward, e.g. {digit_alignment: 1.0}")
+            raise ValueError("reward.weights is empty; give at least one registered reward and its weight")
         # Plug-in names, then each plug-in's own rules (pure: nothing here looks at the machine). A stored run is
         # read without them (context plugins=False): its plug-ins may not be installed where it is reported.
         if info.context and info.context.get("plugins") is False:
@@ -630,7 +644,7 @@ class RunConfig(_Section):
     # -- derived values (never mutated: computed from the config) --------------
     def resolve(self, path: str) -> Path:
         """A config path made absolute: relative paths resolve against the preset's folder, then against the
-        presets shipped with solrl (so a user YAML can name ``prompts/tiny-digits-train.txt``)."""
+        presets shipped with solrl (so a user YAML can name a shipped ``prompts/`` file)."""
         p = Path(path).expanduser()
         if p.is_absolute():
             return p
@@ -639,8 +653,8 @@ class RunConfig(_Section):
         return shipped if not local.exists() and shipped.exists() else local
 
     def sde_noise_level(self) -> float:
-        """The SDE noise level rollouts sample with, as the loss asks: ``regenerate.noise_level`` for
-        flow_grpo, 0 for nft (the ODE; DiffusionNFT is solver-agnostic and Sol-RL samples with the ODE)."""
+        """The SDE noise level rollouts sample with, as the loss asks (``PolicyLoss.noise_level``):
+        ``regenerate.noise_level`` for a loss on SDE log-probs, 0 (the ODE) for one that is solver-agnostic."""
         from solrl.registry import LOSSES
 
         return LOSSES.get(self.train.loss).noise_level(self)
@@ -717,6 +731,27 @@ def config_digest(data: dict[str, Any]) -> str:
 def preset_dir() -> Path:
     """The folder of the presets shipped with solrl (``configs/``)."""
     return Path(str(resources.files("solrl.configs")))
+
+
+@functools.cache
+def _default_preset() -> dict[str, Any]:
+    """The default preset (``configs.DEFAULT``) as read, the presets it extends merged in."""
+    return _read_preset(_preset_path(DEFAULT_PRESET))
+
+
+def _preset_default(section: str | None, key: str) -> Any:
+    """A schema default that names a plug-in or shipped data: the default preset's value of ``section.key`` (a
+    top-level key with ``section`` None), a copy.
+
+    Raises:
+        ConfigError: the default preset does not set it (a preset shipped broken).
+    """
+    data = _default_preset()
+    try:
+        return copy.deepcopy(data[section][key] if section else data[key])
+    except (KeyError, TypeError):
+        where = f"{section}.{key}" if section else key
+        raise ConfigError(f"the default preset {DEFAULT_PRESET!r} does not set {where}") from None
 
 
 def list_presets() -> list[str]:
@@ -808,7 +843,7 @@ def _read_preset(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
     """The mapping a preset file describes, with the presets it ``extends`` merged under it.
 
     A preset inherits every section of the preset it extends key by key; a key it sets replaces the inherited
-    value whole (``reward.weights: {hpsv2: 1.0}`` is the whole weights mapping, not one more entry). ``extends``
+    value whole (``reward.weights: {a: 1.0}`` is the whole weights mapping, not one more entry). ``extends``
     names a shipped preset or a YAML path relative to the extending file.
 
     Raises:
@@ -863,7 +898,7 @@ def load_config(
     overrides, validate.
 
     Args:
-        source: preset name (``tiny-digits``), a YAML file path, or None for the default preset.
+        source: preset name (``sol-rl``), a YAML file path, or None for the default preset (``configs.DEFAULT``).
         overrides: ``section.key=value`` strings; values are parsed as YAML.
         plugins: False checks the schema only, not the plug-in names and rules (``validate_config``): no
             plug-in package, hence no torch, is imported.
@@ -872,7 +907,7 @@ def load_config(
         ConfigError: missing/malformed file, unknown key, bad value, a cross-field rule broken, a missing preset to
             extend or a cycle of them; one line naming the problem and the fix.
     """
-    path = _preset_path(source or "tiny-digits")
+    path = _preset_path(source or DEFAULT_PRESET)
     data = _read_preset(path)
     for item in overrides or []:
         keys, value = _parse_override(item)

@@ -301,15 +301,14 @@ def measure(
     from peft import LoraConfig
 
     from solrl.registry import EXPLORE_BACKENDS, MODELS
-    from solrl.stages.quant.nvfp4 import eligible_layers
+    from solrl.stages.quant import eligible_layers
 
     family = MODELS.get(cfg.model.family)
     adapter, source, text_encoders = family.meta_adapter(cfg.model, weights_dtype, blocks=blocks)
     net = adapter.transformer
     base = module_bytes(net)
     quantizable = sum(
-        module_bytes(m)
-        for _, m in eligible_layers(net, fmt="nvfp4", skip=adapter.nvfp4_skip, min_dim=cfg.explore.min_dim)
+        module_bytes(m) for _, m in eligible_layers(net, skip=adapter.explore_skip, min_dim=cfg.explore.min_dim)
     )
     repeated = repeated_blocks(net)
     largest = max((module_bytes(b) for b in repeated), default=0)
@@ -320,7 +319,7 @@ def measure(
     net.set_adapter("policy")
     lora = module_bytes(net) - base
     explore_copy = {
-        name: EXPLORE_BACKENDS.get(name).copy_bytes(net, adapter.nvfp4_skip, cfg.explore.min_dim)
+        name: EXPLORE_BACKENDS.get(name).copy_bytes(net, adapter.explore_skip, cfg.explore.min_dim)
         for name in EXPLORE_BACKENDS.names()
     }
     train = [train_bytes(adapter, b, False) for b in (1, 2)]

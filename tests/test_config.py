@@ -226,6 +226,57 @@ def test_registries_list_and_declare_the_builtin_plugins_without_importing_them(
     assert out[-4:] == ["stabilityai/stable-diffusion-3.5-medium", "None", "False", "[]"], out
 
 
+def test_the_schema_takes_its_plugin_defaults_from_the_default_preset():
+    """The schema names no plug-in: the defaults that name one (and the shipped prompt files) are read from the
+    default preset, ``configs.DEFAULT``, so a config built from the schema alone runs its plug-ins."""
+    from solrl.configs import DEFAULT
+
+    cfg, preset = RunConfig(), load_config()
+    assert cfg.name == preset.name == DEFAULT
+    for section, key in [
+        ("model", "family"),
+        ("explore", "precision"),
+        ("train", "loss"),
+        ("reward", "weights"),
+        ("reward", "evaluate"),
+        ("campaign", "prompts_file"),
+        ("campaign", "eval_prompts_file"),
+    ]:
+        assert getattr(getattr(cfg, section), key) == getattr(getattr(preset, section), key), (section, key)
+    cfg.reward.weights["another"] = 2.0  # a default is a copy: the next config's is untouched
+    assert RunConfig().reward.weights == preset.reward.weights
+
+
+def test_the_core_names_no_family_reward_loss_or_explore_backend():
+    """Issue 37: the config schema, the memory plan, the stage pipeline and the flows name no registered plug-in
+    in any string, so a plug-in is added or removed without an edit there. The one exception is ``bf16``: the
+    precision of the BF16 policy itself (the method's "BF16 train"), which ``fidelity.on_low=bf16`` falls back
+    to."""
+    import ast
+    import re
+
+    from solrl.registry import EXPLORE_BACKENDS, LOSSES, MODELS, REWARDS
+
+    names = {name for registry in (MODELS, REWARDS, LOSSES, EXPLORE_BACKENDS) for name in registry.names()}
+    assert {"tiny-digits", "vlm_judge", "nft", "nvfp4_emulated"} <= names
+    root = Path(__file__).resolve().parents[1]
+    files = [root / "solrl/config.py", root / "stages/memory.py", root / "stages/pipeline.py"]
+    found = []
+    for path in [*files, *sorted((root / "flows").glob("*.py"))]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                words = {w.strip(".-") for w in re.findall(r"[\w.\-]+", node.value)}
+                found += [f"{path.relative_to(root)}:{node.lineno} {w}" for w in sorted(words & names - {"bf16"})]
+        comments = [line.partition("#")[2] for line in path.read_text().splitlines() if "#" in line]
+        found += [
+            f"{path.relative_to(root)} (a comment) {w}"
+            for c in comments
+            for w in re.findall(r"[\w\-]+", c)
+            if w in names - {"bf16"}
+        ]
+    assert not found, found
+
+
 def test_a_module_registers_by_being_in_the_package_and_is_imported_when_its_name_is_used(tmp_path, monkeypatch):
     import sys
 

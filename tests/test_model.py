@@ -243,7 +243,7 @@ def test_the_packed_explore_copy_samples_as_the_unpacked_one_and_holds_under_035
         for p in policy.adapter_params("rollout").values():
             p.add_(0.05 * torch.randn_like(p))
     reference = policy.merged_copy("rollout")
-    layers = eligible_layers(reference, skip=policy.model.nvfp4_skip, min_dim=cfg.explore.min_dim)
+    layers = eligible_layers(reference, skip=policy.model.explore_skip, min_dim=cfg.explore.min_dim)
     for name, module in layers:
         parent, _, child = name.rpartition(".")
         setattr(reference.get_submodule(parent) if parent else reference, child, _UnpackedReference(module))

@@ -104,7 +104,7 @@ class ModelAdapter:
     #: name must match (where a suffix would also name a module peft cannot wrap, e.g. FLUX.2's ``attn.to_out``).
     lora_targets: ClassVar[tuple[str, ...] | str]
     #: Module-name fragments the low-precision explore copy leaves in high precision (Sol-RL skip rules).
-    nvfp4_skip: ClassVar[tuple[str, ...]]
+    explore_skip: ClassVar[tuple[str, ...]]
     #: Class names of the transformer's repeated blocks, compiled by ``explore.compile`` / ``regenerate.compile``
     #: where the diffusers class declares no ``_repeated_blocks`` of its own (SANA, SD3).
     repeated_blocks: ClassVar[tuple[str, ...]] = ()

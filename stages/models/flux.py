@@ -33,7 +33,7 @@ class Flux(DiffusersFamily):
     weights_hint: ClassVar[str] = "https://huggingface.co/black-forest-labs/FLUX.1-dev (gated: accept the licence)"
     pipeline_class: ClassVar[str] = "FluxPipeline"
     lora_targets: ClassVar[tuple[str, ...]] = ("to_q", "to_k", "to_v", "to_out.0")
-    nvfp4_skip: ClassVar[tuple[str, ...]] = ("x_embedder", "context_embedder", "time_text_embed", "norm_out")
+    explore_skip: ClassVar[tuple[str, ...]] = ("x_embedder", "context_embedder", "time_text_embed", "norm_out")
     default_resolution: ClassVar[int] = 512
     default_max_sequence_length: ClassVar[int] = 512
     resolution_multiple: ClassVar[int] = 16

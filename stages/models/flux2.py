@@ -76,7 +76,7 @@ class Flux2Klein(DiffusersFamily):
     lora_targets: ClassVar[str] = (
         rf"transformer_blocks\.\d+\.({_DOUBLE})|single_transformer_blocks\.\d+\.attn\.(to_qkv_mlp_proj|to_out)"
     )
-    nvfp4_skip: ClassVar[tuple[str, ...]] = (
+    explore_skip: ClassVar[tuple[str, ...]] = (
         "x_embedder",
         "context_embedder",
         "time_guidance_embed",

@@ -55,7 +55,7 @@ class QwenImage(DiffusersFamily):
         "txt_mlp.net.0.proj",
         "txt_mlp.net.2",
     )
-    nvfp4_skip: ClassVar[tuple[str, ...]] = (
+    explore_skip: ClassVar[tuple[str, ...]] = (
         "img_in",
         "txt_in",
         "txt_norm",

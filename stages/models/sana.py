@@ -32,7 +32,7 @@ class Sana(DiffusersFamily):
     pipeline_class: ClassVar[str] = "SanaPipeline"
     lora_targets: ClassVar[tuple[str, ...]] = ("to_q", "to_k", "to_v", "to_out.0")  # attn1 and attn2
     repeated_blocks: ClassVar[tuple[str, ...]] = ("SanaTransformerBlock",)
-    nvfp4_skip: ClassVar[tuple[str, ...]] = (
+    explore_skip: ClassVar[tuple[str, ...]] = (
         "patch_embed",
         "time_embed",
         "caption_projection",

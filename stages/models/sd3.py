@@ -52,7 +52,7 @@ class SD3(DiffusersFamily):
         "attn.to_add_out",
     )
     repeated_blocks: ClassVar[tuple[str, ...]] = ("JointTransformerBlock",)
-    nvfp4_skip: ClassVar[tuple[str, ...]] = (
+    explore_skip: ClassVar[tuple[str, ...]] = (
         "pos_embed",
         "context_embedder",
         "time_text_embed",

@@ -198,7 +198,7 @@ class TinyDigits(ModelAdapter):
     pipeline_class: ClassVar[str] = "SanaPipeline"  # its transformer is a Sana one; the text encoder is its own
     # Attention and the 1x1 feed-forward convs; the 3x3 depthwise conv is left out (peft cannot merge into it).
     lora_targets: ClassVar[tuple[str, ...]] = ("to_q", "to_k", "to_v", "to_out.0", "conv_inverted", "conv_point")
-    nvfp4_skip: ClassVar[tuple[str, ...]] = ("patch_embed", "time_embed", "caption_projection", "proj_out", "norm")
+    explore_skip: ClassVar[tuple[str, ...]] = ("patch_embed", "time_embed", "caption_projection", "proj_out", "norm")
     repeated_blocks: ClassVar[tuple[str, ...]] = ("SanaTransformerBlock",)
 
     text_encoder: nn.Module = None  # type: ignore[assignment]

@@ -56,7 +56,7 @@ class Wan(DiffusersFamily):
         "ffn.net.0.proj",
         "ffn.net.2",
     )
-    nvfp4_skip: ClassVar[tuple[str, ...]] = ("patch_embedding", "condition_embedder", "norm_out", "proj_out")
+    explore_skip: ClassVar[tuple[str, ...]] = ("patch_embedding", "condition_embedder", "norm_out", "proj_out")
     default_resolution: ClassVar[int] = 480
     default_max_sequence_length: ClassVar[int] = 512  # WanPipeline's default
     resolution_multiple: ClassVar[int] = 16

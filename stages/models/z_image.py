@@ -51,7 +51,7 @@ class ZImage(DiffusersFamily):
         "feed_forward.w2",
         "feed_forward.w3",
     )
-    nvfp4_skip: ClassVar[tuple[str, ...]] = (
+    explore_skip: ClassVar[tuple[str, ...]] = (
         "all_x_embedder",
         "cap_embedder",
         "t_embedder",

@@ -183,7 +183,7 @@ class _TransformerEngine(_OnDevice):
         """``te_explore_copy`` of the rollout policy."""
         from solrl.stages.quant.hardware import te_explore_copy
 
-        return te_explore_copy(policy.transformer, cls.name, policy.model.nvfp4_skip, min_dim)
+        return te_explore_copy(policy.transformer, cls.name, policy.model.explore_skip, min_dim)
 
     @classmethod
     def sync(cls, policy: Policy, net: nn.Module) -> None:
@@ -220,7 +220,7 @@ class _TorchAO(_OnDevice):
         """``ao_explore_copy`` of the rollout policy."""
         from solrl.stages.quant.ao import ao_explore_copy
 
-        return ao_explore_copy(policy.transformer, cls.name, policy.model.nvfp4_skip, min_dim)
+        return ao_explore_copy(policy.transformer, cls.name, policy.model.explore_skip, min_dim)
 
     @classmethod
     def sync(cls, policy: Policy, net: nn.Module) -> None:
@@ -292,7 +292,7 @@ def explore_copy(policy: Policy, precision: str, min_dim: int = 0, activation_sc
     key = (precision, min_dim, activation_scale)
     net = policy.explore_copies.get(key)
     if net is None:
-        net = emulated_copy(policy.transformer, backend.fmt, policy.model.nvfp4_skip, min_dim, activation_scale)
+        net = emulated_copy(policy.transformer, backend.fmt, policy.model.explore_skip, min_dim, activation_scale)
         policy.explore_copies[key] = net
     else:
         move_owned_(net, policy.transformer, _device_of(policy.transformer))
