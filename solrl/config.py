@@ -329,7 +329,8 @@ class RewardConfig(_Section):
         default_factory=dict,
         description="reward name -> its options (weights paths, device, dtype, batch_size, keep_loaded), each "
         "validated by the reward itself. A name may be an instance of a registered reward named by its 'type' "
-        "(judge_a: {type: <registered reward>, path: ...}), so one reward can score a run twice, configured differently.",
+        "(judge_a: {type: <registered reward>, path: ...}), so one reward can score a run twice, configured "
+        "differently.",
     )
     normalize: Literal["none", "group"] = Field(
         "none",
