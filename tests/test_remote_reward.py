@@ -137,7 +137,8 @@ def test_a_campaign_whose_reward_server_dies_fails_cleanly_and_resumes_when_it_i
     url = f"http://127.0.0.1:{port}"
     store = tmp_path / "store"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    overrides = [*TINY, f"storage.root={store}", f"reward.models={{digit_alignment: {{url: '{url}', retries: 1}}}}"]
+    reward = f"reward.models={{digit_alignment: {{url: '{url}', retries: 1}}}}"
+    overrides = [*TINY, "campaign.iterations=1", f"storage.root={store}", reward]  # it dies before evaluate[1]
     server = start_server("digit_alignment", port)
     run = subprocess.Popen(
         [*SOLRL, "run", *[a for o in overrides for a in ("--set", o)], "--run-id", "remote"],
