@@ -12,12 +12,13 @@ export DO_NOT_TRACK ?= 1
 
 .PHONY: demo test durations lint docs docs-serve screenshots install clean
 
-# --no-compile: pip would byte-compile all 31,000 modules of the environment (about 45 s on 2 cores); Python
-# compiles the few thousand a run imports on first use instead, and keeps them.
+# pip byte-compiles the environment (about 25 s): keep it. Where PYTHONDONTWRITEBYTECODE is set (this project's
+# machines set it) nothing a process imports is ever cached, and without pip's .pyc files every process compiles
+# torch again (a fresh clone's `make test` took 1666 s with `pip install --no-compile`).
 $(BIN)/.installed: pyproject.toml constraints/cpu.txt constraints/test.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet --no-compile $(TORCH_CONSTRAINTS) -c constraints/test.txt -e '.[test]'
+	$(BIN)/python -m pip install --quiet $(TORCH_CONSTRAINTS) -c constraints/test.txt -e '.[test]'
 	touch $@
 
 # Transformer Engine's Python sources at solrl's floor, unpacked beside the venv and never installed (with TE's meta
