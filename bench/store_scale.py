@@ -285,20 +285,29 @@ def _committed_run(iterations: int, tmp: str | None) -> tuple[Any, Path, float]:
     Prefect flow (as ``solrl run`` builds it): (run, store, seconds to build)."""
     from solrl.flows.sol_rl import campaign
     from solrl.storage.runs import create_run
-    from solrl.storage.stage import FAULT_ENV
+    from solrl.storage.stage import commit_hooks
 
     store = Path(tempfile.mkdtemp(prefix="solrl-bench-resume-", dir=tmp)) / "store"
     cfg = load_config("tiny-digits", [*RESUME_RUN, f"campaign.iterations={iterations + 1}", f"storage.root={store}"])
     run = create_run(cfg, "resumed")
-    os.environ[FAULT_ENV] = f"{iterations + 1}:explore:write:raise"  # stop where the next iteration begins
+
+    def stop(iteration: int, stage: str, point: str) -> None:  # where the next iteration begins
+        if (iteration, stage, point) == (iterations + 1, "explore", "write"):
+            raise _Stop
+
+    commit_hooks.append(stop)
     start = time.perf_counter()
     try:
         campaign(str(store), run.run_id)
-    except RuntimeError:
+    except _Stop:
         pass
     finally:
-        del os.environ[FAULT_ENV]
+        commit_hooks.remove(stop)
     return run, store, time.perf_counter() - start
+
+
+class _Stop(Exception):
+    """Raised by ``_committed_run``'s commit hook: the run has its committed iterations."""
 
 
 def resume_bench(iterations: int, tmp: str | None) -> str:
@@ -309,7 +318,9 @@ def resume_bench(iterations: int, tmp: str | None) -> str:
     36)."""
     from solrl.stages.context import StageContext
     from solrl.stages.pipeline import first_pending
-    from solrl.storage.stage import FAULT_ENV
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from fault_injection import fault_env  # the tests' commit hook: `solrl resume` killed where it first writes
 
     cli = [sys.executable, "-m", "solrl.cli"]
     rows: dict[str, dict[int, float]] = {}
@@ -321,7 +332,7 @@ def resume_bench(iterations: int, tmp: str | None) -> str:
         pending = first_pending(StageContext.of(run, 0))
         rows.setdefault("first_pending (in process)", {})[count] = time.perf_counter() - start
         assert pending == (count + 1, "explore"), pending
-        env = {**os.environ, "OMP_NUM_THREADS": "2", FAULT_ENV: f"{count + 1}:explore:write"}
+        env = {**os.environ, "OMP_NUM_THREADS": "2", **fault_env(f"{count + 1}:explore:write")}
         for name, command, environment in (
             ("solrl resume, until its next stage writes", [*cli, "resume", "resumed", "--store", str(store)], env),
             ("solrl ls", [*cli, "ls", "--store", str(store)], None),

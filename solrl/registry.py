@@ -13,6 +13,10 @@ lookup, e.g. in a ``pyproject.toml``::
 
     [project.entry-points."solrl.plugins"]
     my_reward = "my_package.my_reward"
+
+A module that is not installed with an entry point (one under development, or the tests' fault injection) is
+named in ``SOLRL_PLUGINS`` (comma-separated dotted names, importable on the process's path), which every process
+of a run inherits.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.util
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import entry_points
@@ -30,22 +35,34 @@ T = TypeVar("T")
 
 #: Entry-point group of third-party plug-in modules (imported once, before the first lookup).
 PLUGIN_GROUP = "solrl.plugins"
+#: More plug-in modules, comma-separated dotted names, imported after the entry points.
+PLUGINS_ENV = "SOLRL_PLUGINS"
 _plugins_loaded = False
 
 
-def _load_entry_point_plugins() -> None:
+def load_plugins() -> None:
+    """Import the third-party plug-in modules once per process: the ``solrl.plugins`` entry points, then the
+    modules ``SOLRL_PLUGINS`` names. The registries call it before their first lookup, and a stage's commit before
+    its first ``commit_hooks`` call.
+
+    Raises:
+        ValueError: a plug-in module failed to import (the message names it and its error).
+    """
     global _plugins_loaded
     if _plugins_loaded:
         return
     _plugins_loaded = True
-    for entry in entry_points(group=PLUGIN_GROUP):
+    named = [
+        (entry.load, f"entry point {entry.name} = {entry.value} ({PLUGIN_GROUP})")
+        for entry in entry_points(group=PLUGIN_GROUP)
+    ]
+    for module in filter(None, (m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(","))):
+        named.append((lambda module=module: importlib.import_module(module), f"module {module} ({PLUGINS_ENV})"))
+    for load, what in named:
         try:
-            entry.load()
+            load()
         except Exception as exc:  # a broken third-party plug-in: name it instead of a traceback
-            raise ValueError(
-                f"plug-in entry point {entry.name} = {entry.value} ({PLUGIN_GROUP}) failed to import: "
-                f"{exc.__class__.__name__}: {exc}"
-            ) from exc
+            raise ValueError(f"plug-in {what} failed to import: {exc.__class__.__name__}: {exc}") from exc
 
 
 @dataclass(frozen=True)
@@ -158,7 +175,7 @@ class Registry(Generic[T]):
 
     def names(self) -> list[str]:
         """Every registered name, sorted (built-in ones without importing them)."""
-        _load_entry_point_plugins()
+        load_plugins()
         return sorted({*self.index(), *self._entries})
 
     def get(self, name: str) -> T:
@@ -169,7 +186,7 @@ class Registry(Generic[T]):
         """
         if name not in self._entries and name in self.index():
             importlib.import_module(self.index()[name].module)
-        _load_entry_point_plugins()
+        load_plugins()
         try:
             return self._entries[name]
         except KeyError:
@@ -188,7 +205,7 @@ class Registry(Generic[T]):
         return getattr(self.get(name), attribute, default)
 
     def __contains__(self, name: object) -> bool:
-        _load_entry_point_plugins()
+        load_plugins()
         return name in self.index() or name in self._entries
 
 

@@ -37,13 +37,10 @@ from solrl.processes import die_with_parent
 from solrl.stages.context import StageContext, release_policies
 from solrl.stages.models.policy import Policy
 from solrl.storage.mirror import run_store
-from solrl.storage.stage import StageOutput
+from solrl.storage.stage import StageOutput, commit_point
 
 #: The first process's metrics and info, read and removed by the launcher (never committed).
 OUTPUT_FILE = ".update-output.json"
-#: Test-only fault (as ``solrl.storage.stage.FAULT_ENV``): ``<iteration>:update:rank<r>`` SIGKILLs process r after
-#: it joined the process group and before it trains.
-FAULT_ENV = "SOLRL_FAULT"
 
 
 def launch_update(ctx: StageContext, out: Path) -> StageOutput:
@@ -236,8 +233,7 @@ def train_rank(ctx: StageContext, out: Path | None, rank: int, world: int) -> St
     from solrl.stages.pipeline import STAGES
     from solrl.stages.update import train_policy
 
-    if os.environ.get(FAULT_ENV) == f"{ctx.iteration}:update:rank{rank}":
-        os.kill(os.getpid(), signal.SIGKILL)
+    commit_point(f"rank{rank}", (ctx.iteration, "update"))  # joined the group, not yet training
     inputs = [artifact.load(ctx.run_dir, ctx.iteration) for artifact in STAGES["update"].reads]
     return train_policy(ctx, out, *inputs, rank=rank, world=world)
 

@@ -33,7 +33,7 @@ from solrl.storage.mirror import remote
 from solrl.storage.stage import (
     FileEntry,
     StageManifest,
-    fault_point,
+    commit_point,
     fetch_file,
     prune,
     read_manifest,
@@ -439,7 +439,7 @@ class ZarrWriter:
                 )
             array[start : start + data.shape[0]] = data
             self.written[name] += data.shape[0]
-            fault_point("write")  # test-only: a kill between two writes of one store
+            commit_point("write")  # between two writes of one store: a kill here must leave nothing trusted
 
     def _array(self, name: str, shape: tuple[int, ...], dtype: np.dtype, dims: tuple[str, ...]) -> zarr.Array:
         """Array ``name`` of the store, created at its first region (``[n, ...]`` of ``shape``, ``dtype``)."""
@@ -485,7 +485,7 @@ class ZarrWriter:
             if entry is not None:
                 record_written(moved, entry)
         self.written[name] += source.shape[0]
-        fault_point("write")
+        commit_point("write")
         return True
 
     def close(self) -> None:
@@ -609,7 +609,7 @@ class TableArtifact(Artifact):
 
     def write(self, out: Path) -> None:
         pq.write_table(pa.Table.from_pandas(self.frame, preserve_index=False), out / self.filename)
-        fault_point("write")
+        commit_point("write")
 
     @classmethod
     def read(cls: type[A], path: Path) -> A:
@@ -792,7 +792,7 @@ class CheckpointArtifact(Artifact):
 
     def write(self, out: Path) -> None:
         save_checkpoint(out / self.filename, self.sections, self.state)
-        fault_point("write")
+        commit_point("write")
 
     @classmethod
     def read(cls: type[A], path: Path) -> A:

@@ -24,7 +24,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import socket
 import sys
 import time
@@ -44,37 +43,34 @@ MANIFEST = "_MANIFEST.json"
 #: An attempt's prefix on an object store: ``a-`` and 12 hex digits (``commit``).
 _ATTEMPT = re.compile(r"^a-[0-9a-f]{12}$")
 
-#: Test-only fault injection (``tests/test_faults.py``): with ``SOLRL_FAULT=<iteration>:<stage>:<point>`` in the
-#: environment, the process SIGKILLs itself when that stage's commit reaches ``<point>``: ``write`` (the stage
-#: has written its first file into its temporary folder), ``renamed`` (the folder is in place, its manifest not
-#: yet written) or ``committed`` (the manifest is written, the next stage not begun). A ``:raise`` suffix raises
-#: ``RuntimeError`` there instead: a failure the process survives (a failed Prefect flow run, for retry tests).
-#: With ``SOLRL_FAULT_ONCE=<path>`` as well, the fault fires only while ``<path>`` does not exist, and creates
-#: it first (a worker that serves the retry too, with the same environment).
-FAULT_ENV = "SOLRL_FAULT"
-FAULT_ONCE_ENV = "SOLRL_FAULT_ONCE"
-FAULT_POINTS = ("write", "renamed", "committed")
+#: The points of a stage's commit where ``commit_hooks`` are called: ``write`` (the stage has written its first file
+#: into its temporary folder), ``renamed`` (the folder is in place, or uploaded, its manifest not yet written) and
+#: ``committed`` (the manifest is written, the next stage not begun). A multi-process update also calls them with
+#: ``rank<r>`` in its process r, after it joined the process group and before it trains.
+COMMIT_POINTS = ("write", "renamed", "committed")
+#: Called as ``hook(iteration, stage, point)`` when the stage this process is committing reaches ``point``. A hook
+#: may raise (the commit is abandoned, as on any error) or end the process (a kill, which a resume must survive):
+#: the tests' fault injection is one, installed by a plug-in module (``SOLRL_PLUGINS``, ``tests/fault_injection.py``).
+commit_hooks: list[Callable[[int, str, str], None]] = []
 _committing: tuple[int, str] | None = None
 
 
-def fault_point(point: str) -> None:
-    """SIGKILL this process if ``SOLRL_FAULT`` names the stage being committed and ``point`` (test-only hook;
-    one environment lookup otherwise)."""
-    spec = os.environ.get(FAULT_ENV)
-    if not spec or _committing is None:
+def commit_point(point: str, where: tuple[int, str] | None = None) -> None:
+    """Call ``commit_hooks`` at ``point`` of the commit under way in this process, or of ``where`` (iteration,
+    stage) given; nothing when neither. The plug-in modules are imported first (``solrl.registry.load_plugins``),
+    so a hook installed by one is in place in every process a run starts.
+
+    Raises:
+        whatever a hook raises.
+    """
+    where = where or _committing
+    if where is None:
         return
-    here = f"{_committing[0]}:{_committing[1]}:{point}"
-    if spec not in (here, f"{here}:raise"):
-        return
-    if once := os.environ.get(FAULT_ONCE_ENV):
-        try:
-            os.close(os.open(once, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        except FileExistsError:
-            return
-    if spec == here:
-        os.kill(os.getpid(), signal.SIGKILL)
-    if spec == f"{here}:raise":
-        raise RuntimeError(f"fault injected at {here} ({FAULT_ENV})")
+    from solrl.registry import load_plugins
+
+    load_plugins()
+    for hook in list(commit_hooks):
+        hook(where[0], where[1], point)
 
 
 class StageNotCommitted(FileNotFoundError):
@@ -515,7 +511,7 @@ def commit(
                 commit_guard()
             remove_dir(final)
             os.replace(tmp, final)
-            fault_point("renamed")
+            commit_point("renamed")
     except BaseException:
         _committing = None
         shutil.rmtree(tmp, ignore_errors=True)
@@ -524,7 +520,7 @@ def commit(
         _forget_written(tmp)
     try:
         write_json_atomic(final / MANIFEST, manifest.model_dump(mode="json"))
-        fault_point("committed")
+        commit_point("committed")
     finally:
         _committing = None
     return manifest
@@ -546,7 +542,7 @@ def _publish(store: Store, stage_key: str, folder: Path, manifest: StageManifest
     attempt = f"{stage_key}/{manifest.prefix}"
     try:
         store.put_folder(folder, attempt)
-        fault_point("renamed")  # every file uploaded, the manifest not written
+        commit_point("renamed")  # every file uploaded, the manifest not written
         if commit_guard is not None:
             commit_guard()
         data = json.dumps(manifest.model_dump(mode="json"), indent=2, sort_keys=True).encode() + b"\n"

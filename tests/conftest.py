@@ -30,6 +30,7 @@ from collections.abc import Iterator  # noqa: E402
 from contextlib import contextmanager  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+import fault_injection  # noqa: E402, F401  (its commit hook, in this process and the forkserver's children)
 import pytest  # noqa: E402
 import torch  # noqa: E402
 

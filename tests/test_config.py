@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -275,6 +276,37 @@ def test_the_core_names_no_family_reward_loss_or_explore_backend():
             if w in names - {"bf16"}
         ]
     assert not found, found
+
+
+def test_a_module_named_in_solrl_plugins_registers_and_a_broken_one_is_named(tmp_path: Path):
+    """A plug-in module that is not installed (``SOLRL_PLUGINS``, on the path): imported before the first lookup,
+    and before a commit calls the commit hooks, so a hook it installs is in place in a process the run starts."""
+    import subprocess
+    import sys
+
+    (tmp_path / "my_plugin.py").write_text(
+        "from solrl.registry import register_reward\n"
+        "from solrl.stages.rewards.base import Reward\n"
+        "from solrl.storage.stage import commit_hooks\n\n"
+        "@register_reward('plugin_brightness')\n"
+        "class Brightness(Reward):\n"
+        "    name = 'plugin_brightness'\n\n"
+        "commit_hooks.append(lambda iteration, stage, point: print('hook', iteration, stage, point))\n"
+    )
+    (tmp_path / "broken_plugin.py").write_text("raise ImportError('no such thing')\n")
+    script = (
+        "from solrl.storage.stage import commit_point\n"
+        "commit_point('write', (3, 'explore'))\n"
+        "from solrl.registry import REWARDS\n"
+        "print('plugin_brightness' in REWARDS.names())\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "SOLRL_PLUGINS": "my_plugin"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert done.stdout.split("\n")[:2] == ["hook 3 explore write", "True"], done.stderr[-2000:]
+    env["SOLRL_PLUGINS"] = "my_plugin, broken_plugin"
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert done.returncode == 1
+    assert "plug-in module broken_plugin (SOLRL_PLUGINS) failed to import: ImportError: no such thing" in done.stderr
 
 
 def test_a_module_registers_by_being_in_the_package_and_is_imported_when_its_name_is_used(tmp_path, monkeypatch):

@@ -10,6 +10,7 @@ import pandas as pd
 import pytest
 import torch
 from conftest import tiny_config
+from fault_injection import FAULT_ENV, fault_env
 
 from solrl.stages.context import StageContext
 from solrl.stages.distributed import OUTPUT_FILE, launch_update
@@ -63,12 +64,13 @@ def assert_close_trained(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor],
 def killed_rank_then_resumed(ctx: StageContext, monkeypatch, failure: str):
     """Process 2 of 2 of ``ctx``'s update killed after it joined: the stage fails with ``failure``, commits
     nothing and leaves no temporary folder; then the update run again. Returns ``run_stage``'s answer."""
-    monkeypatch.setenv("SOLRL_FAULT", f"{ctx.iteration}:update:rank1")
+    for name, value in fault_env(f"{ctx.iteration}:update:rank1").items():  # for torchrun's or Ray's workers
+        monkeypatch.setenv(name, value)
     with pytest.raises(RuntimeError, match=failure):
         run_stage(ctx, "update")
     assert read_manifest(ctx.run_dir, ctx.iteration, "update") is None
     assert not [p for p in stage_dir(ctx.run_dir, ctx.iteration, "update").parent.iterdir() if ".tmp-" in p.name]
-    monkeypatch.delenv("SOLRL_FAULT")
+    monkeypatch.delenv(FAULT_ENV)
     return run_stage(ctx, "update")
 
 

@@ -1,7 +1,7 @@
 """Fault injection: SIGKILL at every stage boundary and in the middle of every stage's writes, then resume.
 
 One chain of processes: each runs the campaign through the stage functions (what the Prefect tasks call) and
-kills itself at its kill point (``SOLRL_FAULT``, a test-only hook in ``solrl.storage.stage``); the next resumes
+kills itself at its kill point (``SOLRL_FAULT``, the commit hook of ``fault_injection``); the next resumes
 where it died and dies at the next point; the last finishes. Every kill point of the campaign plan is hit in
 turn, in order: for every stage of every iteration, ``write`` (in the middle of the stage's writes: after its
 first file, before the rest and the commit), ``renamed`` (folder in place, manifest not written) and
@@ -20,9 +20,10 @@ import pytest
 import torch
 import zarr
 from conftest import CHILD_PRELOAD, tiny_config
+from fault_injection import FAULT_ENV
 
 from solrl.stages.pipeline import campaign_plan
-from solrl.storage.stage import FAULT_ENV, FAULT_POINTS, read_manifest
+from solrl.storage.stage import COMMIT_POINTS, read_manifest
 
 pytestmark = pytest.mark.slow
 
@@ -76,7 +77,7 @@ def outputs(run_dir: Path) -> dict[str, object]:
 def test_sigkill_at_every_kill_point_then_resume_equals_an_uninterrupted_run(tmp_path: Path):
     assert run_in_child(tmp_path / "reference", None) == 0
     plan = campaign_plan(tiny_config(tmp_path))
-    kill_points = [f"{i}:{stage}:{point}" for i, stages in plan for stage in stages for point in FAULT_POINTS]
+    kill_points = [f"{i}:{stage}:{point}" for i, stages in plan for stage in stages for point in COMMIT_POINTS]
     chain = tmp_path / "chain"
     for point in kill_points:
         assert run_in_child(chain, point) == -9, f"{point}: the process was not killed there"

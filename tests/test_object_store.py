@@ -185,8 +185,7 @@ def campaign_on(root: str, env: dict[str, str], fault: str | None, threads: int)
     """Create or resume run ``same`` in ``root`` and run its whole plan (in a child: its environment is set here,
     the forkserver having started before the test set it)."""
     import torch
-
-    from solrl.storage.stage import FAULT_ENV
+    from fault_injection import FAULT_ENV
 
     torch.set_num_threads(threads)  # the reference run's: the trained weights depend on the GEMM's reduction order
     os.environ.update(env)
@@ -208,7 +207,7 @@ def test_a_kill_at_each_fault_point_of_explore_and_update_then_resume_equals_the
 
     from conftest import CHILD_PRELOAD
 
-    from solrl.storage.stage import FAULT_POINTS
+    from solrl.storage.stage import COMMIT_POINTS
 
     _, local, root, _ = s3_and_local
     root = root.replace("/team/runs", "/faults/runs")
@@ -226,7 +225,7 @@ def test_a_kill_at_each_fault_point_of_explore_and_update_then_resume_equals_the
         return process.exitcode
 
     store = Store.open(root)
-    for point in [f"1:{stage}:{where}" for stage in ("explore", "update") for where in FAULT_POINTS]:
+    for point in [f"1:{stage}:{where}" for stage in ("explore", "update") for where in COMMIT_POINTS]:
         assert child(point) == -9, f"{point}: the process was not killed there"
         iteration, stage, where = point.split(":")
         key = f"same/iter_{int(iteration):06d}/{stage}"

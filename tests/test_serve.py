@@ -19,9 +19,10 @@ from pathlib import Path
 
 import pytest
 from conftest import TINY, free_port, tiny_config, wait_healthy
+from fault_injection import FAULT_ENV, fault_env
 
 from solrl.stages.pipeline import campaign_plan
-from solrl.storage.stage import FAULT_ENV, FAULT_ONCE_ENV, read_manifest
+from solrl.storage.stage import read_manifest
 
 pytestmark = pytest.mark.slow
 
@@ -32,7 +33,7 @@ OVERRIDES = [o for o in TINY if not o.startswith("campaign.iterations")] + ["cam
 @pytest.fixture(scope="module")
 def prefect(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """A real Prefect server and two `solrl serve` processes: deployment ``served`` and deployment ``faulty``,
-    whose flow-run process SIGKILLs itself in iteration 2 while update writes (``SOLRL_FAULT``), once."""
+    whose flow-run process SIGKILLs itself in iteration 2 while update writes (``fault_injection``), once."""
     home = tmp_path_factory.mktemp("prefect-home")
     port = free_port()
     api = f"http://127.0.0.1:{port}/api"
@@ -53,7 +54,7 @@ def prefect(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]
     try:
         wait_healthy(f"{api}/health", server)
         solrl = [sys.executable, "-m", "solrl.cli", "serve"]
-        once = {FAULT_ENV: "2:update:write", FAULT_ONCE_ENV: str(home / "fault-fired")}
+        once = fault_env("2:update:write", once=home / "fault-fired")
         for name, extra in (("served", {}), ("faulty", once)):
             serves.append(
                 subprocess.Popen(

@@ -13,13 +13,14 @@ import pandas as pd
 import pytest
 import torch
 from conftest import CHILD_PRELOAD, needs_batch_invariant_gemm, tiny_config
+from fault_injection import FAULT_ENV
 from test_faults import outputs
 
 from solrl.stages.context import StageContext
 from solrl.stages.pipeline import STAGES, campaign_plan, run_shard, run_stage, shards_folder, stage_shards
 from solrl.stages.sharding import Shard
 from solrl.storage.runs import create_run, open_run, set_shards
-from solrl.storage.stage import FAULT_ENV, read_manifest
+from solrl.storage.stage import read_manifest
 
 RUN_ID = "shards"
 #: Four prompts per iteration, so 1, 2 and 4 shards all divide differently (4: one prompt per shard).
