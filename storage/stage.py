@@ -61,7 +61,7 @@ def commit_point(point: str, where: tuple[int, str] | None = None) -> None:
     so a hook installed by one is in place in every process a run starts.
 
     Raises:
-        whatever a hook raises.
+        Exception: whatever a hook raises (the tests' fault injection raises ``RuntimeError``).
     """
     where = where or _committing
     if where is None:
