@@ -20,7 +20,6 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger, tags, task
 from prefect.cache_policies import NO_CACHE
-from prefect.exceptions import TerminationSignal
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
 from solrl.flows import cockpit
@@ -28,6 +27,7 @@ from solrl.flows.progress import current as current_progress
 from solrl.flows.progress import stage_notes
 from solrl.flows.progress import start as start_progress
 from solrl.flows.runners import shard_submit_options, shard_task_runner
+from solrl.processes import stop_signal
 from solrl.stages.context import StageContext
 from solrl.stages.guards import guard_trip
 from solrl.stages.pipeline import ITERATION, STAGES, campaign_plan, first_pending, run_shard, run_stage, stage_shards
@@ -217,10 +217,10 @@ def _log_report(run, tracker: Tracker, logger) -> None:
 
 
 def _stop_status(exc: BaseException) -> str:
-    """The MLflow status of a campaign unwinding with ``exc``: KILLED for a stop (Ctrl-C; SIGTERM, which Prefect
-    raises as its TerminationSignal; or any exception once solrl's signal handler has fired, since a stop landing
-    inside Prefect's task setup surfaces as Prefect's own ``ValueError``), else FAILED."""
-    if isinstance(exc, (KeyboardInterrupt, TerminationSignal)):
+    """The MLflow status of a campaign unwinding with ``exc``: KILLED for a stop, else FAILED. A stop is Ctrl-C or
+    SIGTERM (which Prefect raises as its TerminationSignal), or any exception raised while handling one, or after
+    solrl's signal handler fired: a stop landing inside Prefect's task setup surfaces as its own ``ValueError``."""
+    if stop_signal(exc) is not None:  # the stop itself, or an error raised while handling it
         return "KILLED"
     cli = sys.modules.get("solrl.cli")  # its handlers are installed only where the CLI runs the campaign
     return "KILLED" if cli is not None and cli.stopped_by_signal() else "FAILED"

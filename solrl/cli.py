@@ -59,6 +59,8 @@ class Terminated(KeyboardInterrupt):
     current stage's temporary folder is removed, MLflow and Prefect record the stop, the temporary Prefect
     server is stopped."""
 
+    signal = signal.SIGTERM
+
 
 _terminated = False
 _interrupted = False
@@ -68,6 +70,20 @@ def stopped_by_signal() -> bool:
     """Whether this process's Ctrl-C or SIGTERM handler has fired: an exception unwinding now may be a library's
     wrapping of that stop (a Ctrl-C landing while Prefect sets up a task run surfaces as its ``ValueError``)."""
     return _interrupted or _terminated
+
+
+def _stop_exit(exc: BaseException) -> int | None:
+    """The exit status of the stop ``exc`` is, wraps or unwinds after (143 SIGTERM, 130 Ctrl-C), else None. While
+    a flow runs Prefect's SIGTERM handler, not solrl's, takes the signal; it hands the signal back to solrl's
+    unless its own crash handler fails first, so the exception chain is read too (``stop_signal``)."""
+    from solrl.processes import stop_signal
+
+    found = stop_signal(exc)
+    if _terminated or found == signal.SIGTERM:
+        return 143
+    if _interrupted or found == signal.SIGINT:
+        return 130
+    return None
 
 
 def _raise_terminated(signum: int, frame: object) -> None:
@@ -128,15 +144,12 @@ def _launch(store: str, run_id: str) -> None:
             campaign(store, run_id)
     except ConfigError as exc:
         _fail(str(exc))
-    except Terminated:
-        _fail(f"terminated (SIGTERM); {resume}", 143)
-    except KeyboardInterrupt:
-        _fail(f"interrupted; {resume}", 130)
-    except Exception as exc:  # the flow already logged the traceback
-        if _terminated:  # a SIGTERM that a library wrapped in its own exception
-            _fail(f"terminated (SIGTERM); {resume}", 143)
-        if _interrupted:  # a Ctrl-C that a library wrapped in its own exception
-            _fail(f"interrupted; {resume}", 130)
+    except BaseException as exc:  # the flow already logged the traceback
+        code = _stop_exit(exc)  # a stop, even one a library wrapped in its own exception
+        if code is not None:
+            _fail(("terminated (SIGTERM)" if code == 143 else "interrupted") + f"; {resume}", code)
+        if not isinstance(exc, Exception):
+            raise
         _fail(
             f"{exc.__class__.__name__}: {exc}\n  committed stages are kept; continue with "
             f"`solrl resume {run_id} --store {store}`",

@@ -183,3 +183,44 @@ def test_a_stop_wrapped_by_a_library_is_recorded_killed_not_failed(monkeypatch):
     assert _stop_status(KeyboardInterrupt()) == _stop_status(TerminationSignal(15)) == "KILLED"
     monkeypatch.setattr(solrl.cli, "_interrupted", True)
     assert _stop_status(ValueError("Task run is not set")) == "KILLED"
+
+
+def test_a_sigterm_that_prefect_takes_and_its_crash_handler_wraps_still_exits_143(monkeypatch, capsys):
+    """The fresh-clone run of 2026-12-05: SIGTERM landed while Prefect set up a task run. While a flow runs, Prefect's
+    SIGTERM handler, not solrl's, takes the signal and raises ``TerminationSignal``; its crash handler then failed
+    with ``ValueError: Task run is not set``, so solrl's handler never ran and solrl exited 1. The stop is now read
+    from the exception chain: exit 143 with the resume line, and MLflow records KILLED."""
+    import contextlib
+
+    import typer
+    from prefect.exceptions import TerminationSignal
+
+    import solrl.cli as cli
+    import solrl.flows.server
+    import solrl.flows.sol_rl
+
+    def wrapped() -> ValueError:
+        try:
+            raise TerminationSignal(signal.SIGTERM)
+        except TerminationSignal:
+            try:
+                raise ValueError("Task run is not set")  # what Prefect's handle_crash raises, handling the stop
+            except ValueError as exc:
+                return exc
+
+    def campaign(store: str, run_id: str) -> None:
+        raise wrapped()
+
+    assert solrl.flows.sol_rl._stop_status(wrapped()) == "KILLED"
+    monkeypatch.setattr(solrl.flows.sol_rl, "campaign", campaign)
+    monkeypatch.setattr(solrl.flows.server, "prefect_api", contextlib.nullcontext)
+    monkeypatch.setattr(cli, "_interrupted", False)
+    monkeypatch.setattr(cli, "_terminated", False)
+    try:
+        with pytest.raises(typer.Exit) as exited:
+            cli._launch("/tmp/store", "wrapped")
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    assert exited.value.exit_code == 143
+    assert "terminated (SIGTERM); continue with `solrl resume wrapped --store /tmp/store`" in capsys.readouterr().err
