@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE ?= 1
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export DO_NOT_TRACK ?= 1
 
-.PHONY: demo test durations lint docs docs-serve screenshots install clean
+.PHONY: demo test lint docs docs-serve screenshots install clean
 
 # pip byte-compiles the environment (about 25 s): keep it. Where PYTHONDONTWRITEBYTECODE is set (this project's
 # machines set it) nothing a process imports is ever cached, and without pip's .pyc files every process compiles
@@ -56,13 +56,8 @@ screenshots: install
 
 # Two pytest-xdist workers, one test file each at a time (module fixtures stay shared), one thread each
 # (tests/conftest.py): most of the suite waits on subprocesses and servers, so two workers halve its time on two cores.
-# The files go out longest first (tests/module_seconds.json, which `make durations` rewrites from a whole run).
 test: lint docs
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
-
-durations: install
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --junitxml=.cache/junit.xml
-	$(BIN)/python tests/module_seconds.py .cache/junit.xml > tests/module_seconds.json
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 clean:
 	rm -rf $(VENV) runs site .cache/docs

@@ -25,7 +25,6 @@ XDIST = bool(os.environ.get("PYTEST_XDIST_WORKER"))
 if XDIST:
     os.environ["OMP_NUM_THREADS"] = "1"
 
-import json  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
 from contextlib import contextmanager  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -273,12 +272,3 @@ def postgres_server(databases: tuple[str, ...], max_connections: int = 20) -> It
     finally:
         subprocess.run([*pg_ctl, "-m", "fast", "-w", "stop"], capture_output=True, timeout=60)
         shutil.rmtree(root, ignore_errors=True)
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The longest test modules first, by their seconds in ``tests/module_seconds.json`` (``make durations``
-    measures them): ``make test`` gives pytest-xdist's two workers one module at a time in this order
-    (``--no-loadscope-reorder``), so neither is left with a minutes-long module when the other is done. Modules
-    not listed keep their order, after the listed ones."""
-    seconds = json.loads((Path(__file__).with_name("module_seconds.json")).read_text())
-    items.sort(key=lambda item: -seconds.get(Path(str(item.fspath)).stem, 0))
