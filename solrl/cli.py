@@ -112,11 +112,12 @@ def _stoppable(resume: list[str]) -> Iterator[None]:
     except typer.Exit:
         raise
     except BaseException as exc:
-        if not (_terminated or isinstance(exc, KeyboardInterrupt)):
+        code = _stop_exit(exc)
+        if code is None:
             raise
         created = resume and (Path(resume[1]) / resume[0] / "run.json").exists()
         hint = f"; continue with `solrl resume {resume[0]} --store {resume[1]}`" if created else ""
-        _fail(("terminated (SIGTERM)" if _terminated else "interrupted") + hint, 143 if _terminated else 130)
+        _fail(("terminated (SIGTERM)" if code == 143 else "interrupted") + hint, code)
 
 
 def _start_prefect_early() -> None:
