@@ -163,12 +163,13 @@ def running_stack(
         "AWS_DEFAULT_REGION": "us-east-1",
         "AWS_EC2_METADATA_DISABLED": "true",
     }
-    # The servers' connection pools and MLflow's job runner (off) as docker/compose.yaml ships them.
+    # The servers' connection pools, a queued campaign's wait and MLflow's job runner (off) as docker/compose.yaml
+    # ships them.
     compose = yaml.safe_load((ROOT / "docker" / "compose.yaml").read_text())["services"]
     pools = {
         service: {k: v for k, v in compose[service]["environment"].items() if k.startswith(prefixes)}
         for service, prefixes in (
-            ("prefect-server", ("PREFECT_SERVER_DATABASE_SQLALCHEMY_",)),
+            ("prefect-server", ("PREFECT_SERVER_DATABASE_SQLALCHEMY_", "PREFECT_SERVER_DEPLOYMENTS_")),
             ("mlflow", ("MLFLOW_SQLALCHEMYSTORE_", "MLFLOW_SERVER_ENABLE_JOB_EXECUTION")),
         )
     }
