@@ -355,3 +355,34 @@ def test_a_missing_weights_file_of_an_instance_names_the_instance(tmp_path: Path
     )
     with pytest.raises(ConfigError, match=r"reward.models.pick_ft.path: .*nope does not exist"):
         check_runnable(cfg)
+
+
+def test_every_registered_reward_benchmarks_itself_or_says_why(tmp_path: Path):
+    """bench/rewards.py measures every registered reward with no list of its own: each makes inputs it can score
+    (``benchmark_inputs``) and builds itself at its published size (``benchmark_options``) or says why it cannot.
+    The script runs on the cheap ones and names the one it cannot build. The published CLIP backbones the
+    benchmark builds have the parameters the memory plan counts (within 0.1%)."""
+    import runpy
+
+    from solrl.registry import REWARDS
+    from solrl.stages.models.tiny_components import clip_model, clip_tokenizer
+    from solrl.stages.rewards.clip import PUBLISHED_CLIP
+
+    for name in REWARDS.names():
+        cls = REWARDS.get(name)
+        images, prompts = cls.benchmark_inputs(2, size=64)
+        assert images.dtype == np.uint8 and images.shape == (2, 64, 64, 3) and len(prompts) == 2, name
+        cls.check_prompts(prompts, f"{name}'s benchmark prompts")
+    for name, size in (("pickscore", "vit-h-14"), ("clipscore", "vit-l-14")):
+        spec = PUBLISHED_CLIP[size]
+        with torch.device("meta"):
+            model = clip_model(clip_tokenizer(), spec["text"], spec["vision"], spec["projection_dim"], vocab_size=49408)
+        counted = sum(p.numel() for p in model.parameters())
+        assert abs(counted / REWARDS.get(name).parameters - 1) < 1e-3, (name, counted)
+
+    bench = runpy.run_path(str(Path(__file__).resolve().parents[1] / "bench" / "rewards.py"))
+    table = bench["main"](["--rewards", "jpeg_compressibility", "digit_alignment", "ocr", "imagereward"])
+    rows = {line.split(" | ")[0].strip("| "): line for line in table.splitlines() if line.startswith("| ")}
+    for name in ("jpeg_compressibility", "digit_alignment", "ocr"):
+        assert float(rows[name].split(" | ")[1]) > 0, rows[name]
+    assert "not measured: its BLIP loads bert-base-uncased from the Hugging Face hub" in rows["imagereward"]

@@ -12,44 +12,16 @@ import pytest
 from solrl.config import load_config
 from solrl.stages.rewards.base import build_reward, checked
 
-#: The ChatML turns of the Qwen2.5-VL chat template, with its image and video placeholders.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for c in message['content'] %}"
-    "{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>{% elif c['type'] == 'video' %}"
-    "<|vision_start|><|video_pad|><|vision_end|>{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}"
-    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
 
 def build_tiny_judge(out: Path) -> None:
     """A Qwen2.5-VL of the real classes at random weights (``tiny_components.qwen2_5_vl``, as tiny-qwen-image's text
-    encoder) and its processor (byte-level Qwen tokenizer with the vision tokens, Qwen2-VL image and video
-    processors)."""
-    from tokenizers.pre_tokenizers import ByteLevel
-    from transformers import Qwen2_5_VLProcessor, Qwen2Tokenizer, Qwen2VLImageProcessor, Qwen2VLVideoProcessor
+    encoder) and its processor (``tiny_components.qwen2_5_vl_processor``)."""
+    from solrl.stages.models.tiny_components import qwen2_5_vl, qwen2_5_vl_processor
 
-    from solrl.stages.models.tiny_components import qwen2_5_vl
-
-    vocab = {c: i for i, c in enumerate(sorted(ByteLevel.alphabet()))}
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    specials += ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
-    for token in specials:
-        vocab[token] = len(vocab)
-    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[], additional_special_tokens=specials[1:], model_max_length=4096)
-    tokenizer.chat_template = CHAT_TEMPLATE
-    pixels = {"min_pixels": 56 * 56, "max_pixels": 112 * 112}
-    Qwen2_5_VLProcessor(
-        image_processor=Qwen2VLImageProcessor(**pixels),
-        tokenizer=tokenizer,
-        video_processor=Qwen2VLVideoProcessor(**pixels),
-        chat_template=CHAT_TEMPLATE,
-    ).save_pretrained(out)
-    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in specials}
-    vision = {"image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>"}
-    vision |= {"vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>"}
-    model = qwen2_5_vl(len(tokenizer), ids["<|im_end|>"], ids["<|endoftext|>"], {k: ids[v] for k, v in vision.items()})
-    model.save_pretrained(out)
+    processor, ids = qwen2_5_vl_processor()
+    processor.save_pretrained(out)
+    vision = {k: v for k, v in ids.items() if k not in ("eos_token_id", "pad_token_id")}
+    qwen2_5_vl(len(processor.tokenizer), ids["eos_token_id"], ids["pad_token_id"], vision).save_pretrained(out)
 
 
 @pytest.fixture(scope="module")
@@ -161,3 +133,16 @@ def test_two_differently_configured_judges_score_one_campaign(tmp_path: Path, ju
         yes, graded = table[table["reward"] == "judge_yes"], table[table["reward"] == "judge_grade"]
         assert yes["value"].between(0, 1).all() and graded["value"].between(1, 5).all()
         assert yes["rationale"].isna().all() and graded["rationale"].map(type).eq(str).all()
+
+
+def test_the_published_judge_the_benchmark_builds_has_the_parameters_the_memory_plan_counts():
+    """``QWEN2_5_VL_7B``, which bench/rewards.py builds at random weights, is Qwen2.5-VL-7B: exactly
+    ``VLMJudge.parameters`` (counted on the meta device, nothing allocated)."""
+    import torch
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from solrl.stages.rewards.vlm_judge import QWEN2_5_VL_7B, VLMJudge
+
+    with torch.device("meta"):
+        model = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**QWEN2_5_VL_7B))
+    assert sum(p.numel() for p in model.parameters()) == VLMJudge.parameters == 8_292_166_656

@@ -23,6 +23,7 @@ from transformers import (
     GemmaTokenizer,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
+    Qwen2_5_VLProcessor,
     Qwen2Tokenizer,
     Qwen3Config,
     Qwen3ForCausalLM,
@@ -91,6 +92,45 @@ def qwen_tokenizer() -> Qwen2Tokenizer:
     )
     tokenizer.chat_template = QWEN_CHAT_TEMPLATE
     return tokenizer
+
+
+#: ChatML turns with the Qwen2.5-VL image and video placeholders (``content`` a string or a list of parts).
+QWEN_VL_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for c in message['content'] %}"
+    "{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>{% elif c['type'] == 'video' %}"
+    "<|vision_start|><|video_pad|><|vision_end|>{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def qwen2_5_vl_processor(max_pixels: int = 112 * 112) -> tuple[Qwen2_5_VLProcessor, dict[str, int]]:
+    """A ``Qwen2_5_VLProcessor``: byte-level Qwen tokenizer (no merges) with ChatML's and the vision tokens, Qwen2-VL
+    image and video processors (at least 56 x 56, at most ``max_pixels`` pixels) and the chat template. Returns it
+    and the token ids a ``Qwen2_5_VLConfig`` needs: ``eos_token_id`` (``<|im_end|>``), ``pad_token_id``
+    (``<|endoftext|>``), ``image_token_id``, ``video_token_id``, ``vision_start_token_id``,
+    ``vision_end_token_id``."""
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import Qwen2VLImageProcessor, Qwen2VLVideoProcessor
+
+    vocab = {c: i for i, c in enumerate(sorted(ByteLevel.alphabet()))}
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    specials += ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+    for token in specials:
+        vocab[token] = len(vocab)
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[], additional_special_tokens=specials[1:], model_max_length=4096)
+    tokenizer.chat_template = QWEN_VL_CHAT_TEMPLATE
+    pixels = {"min_pixels": 56 * 56, "max_pixels": max_pixels}
+    processor = Qwen2_5_VLProcessor(
+        image_processor=Qwen2VLImageProcessor(**pixels),
+        tokenizer=tokenizer,
+        video_processor=Qwen2VLVideoProcessor(**pixels),
+        chat_template=QWEN_VL_CHAT_TEMPLATE,
+    )
+    names = {"eos_token_id": "<|im_end|>", "pad_token_id": "<|endoftext|>", "image_token_id": "<|image_pad|>"}
+    names |= {"video_token_id": "<|video_pad|>", "vision_start_token_id": "<|vision_start|>"}
+    names |= {"vision_end_token_id": "<|vision_end|>"}
+    return processor, {key: tokenizer.convert_tokens_to_ids(token) for key, token in names.items()}
 
 
 def qwen3_encoder(

@@ -146,6 +146,24 @@ class Reward:
                 where = f"; weights: {cls.published}" if cls.published else ""
                 raise ConfigError(f"reward.models.{key}.{option}: {path} does not exist{where}")
 
+    @classmethod
+    def benchmark_options(cls, root: Path) -> dict[str, Any]:
+        """Options that build this reward at its published architecture with random weights, written under
+        ``root`` (nothing downloaded), for ``bench/rewards.py``: speed, not scores. Default: none (a reward without
+        weights, or with weights shipped in a package).
+
+        Raises:
+            NotImplementedError: the reward cannot be built here without downloads; the message says why.
+        """
+        return {}
+
+    @classmethod
+    def benchmark_inputs(cls, count: int, size: int = 512) -> tuple[np.ndarray, list[str]]:
+        """``count`` uint8 images ``[count, size, size, 3]`` and prompts the reward can score, for
+        ``bench/rewards.py``. Default: uniform noise (seed 0) and one GenEval-style prompt."""
+        images = np.random.default_rng(0).integers(0, 256, (count, size, size, 3), dtype=np.uint8)
+        return images, ["a photo of a red apple"] * count
+
     def _score(
         self, images: np.ndarray, prompts: Sequence[str], metadata: Metadata
     ) -> np.ndarray | torch.Tensor | Scores:

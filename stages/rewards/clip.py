@@ -9,6 +9,8 @@ Each reproduces its published scoring code (cited per class); weights come from 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -64,6 +66,53 @@ class CLIPReward(Reward):
         return F.normalize(_projected(self.model.get_text_features(**tokens)).float(), dim=-1)
 
 
+#: transformers ``CLIPConfig`` sizes of the published backbones: OpenAI ViT-L/14 (CLIPScore, the aesthetic
+#: predictor) and LAION ViT-H/14 (PickScore's base).
+PUBLISHED_CLIP = {
+    "vit-l-14": dict(
+        text=dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12),
+        vision=dict(
+            hidden_size=1024,
+            intermediate_size=4096,
+            num_hidden_layers=24,
+            num_attention_heads=16,
+            image_size=224,
+            patch_size=14,
+        ),
+        projection_dim=768,
+    ),
+    "vit-h-14": dict(
+        text=dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16),
+        vision=dict(
+            hidden_size=1280,
+            intermediate_size=5120,
+            num_hidden_layers=32,
+            num_attention_heads=16,
+            image_size=224,
+            patch_size=14,
+        ),
+        projection_dim=1024,
+    ),
+}
+
+
+def published_clip(size: str, root: Path) -> str:
+    """A ``CLIPModel`` of ``PUBLISHED_CLIP[size]`` at random weights with a ``CLIPProcessor`` (224 px, a small local
+    tokenizer over CLIP's 49,408-token vocabulary size), saved to ``root / size`` once; returns that folder."""
+    from transformers import CLIPImageProcessor, CLIPProcessor
+
+    from solrl.stages.models.tiny_components import clip_model, clip_tokenizer
+
+    out = root / size
+    if not (out / "config.json").exists():
+        spec = PUBLISHED_CLIP[size]
+        tokenizer = clip_tokenizer()
+        model = clip_model(tokenizer, spec["text"], spec["vision"], spec["projection_dim"], vocab_size=49408)
+        model.save_pretrained(out)
+        CLIPProcessor(image_processor=CLIPImageProcessor(), tokenizer=tokenizer).save_pretrained(out)
+    return str(out)
+
+
 @register_reward("pickscore")
 class PickScore(CLIPReward):
     """PickScore (Kirstain et al. 2023, "Pick-a-Pic", section 4 and the model card's inference code):
@@ -75,6 +124,10 @@ class PickScore(CLIPReward):
     name = "pickscore"
     parameters = 986_000_000  # CLIP ViT-H/14
     published = "https://huggingface.co/yuvalkirstain/PickScore_v1 (processor: laion/CLIP-ViT-H-14-laion2B-s32B-b79K)"
+
+    @classmethod
+    def benchmark_options(cls, root: Path) -> dict[str, Any]:
+        return {"path": published_clip("vit-h-14", root)}
 
     def _score(self, images: np.ndarray, prompts: Sequence[str], metadata: Metadata) -> torch.Tensor:
         cosine = (self.image_embeddings(images) * self.text_embeddings(prompts)).sum(-1)  # [B]
@@ -91,6 +144,11 @@ class CLIPScore(CLIPReward):
     name = "clipscore"
     parameters = 428_000_000  # CLIP ViT-L/14
     published = "https://huggingface.co/openai/clip-vit-large-patch14"
+
+    @classmethod
+    def benchmark_options(cls, root: Path) -> dict[str, Any]:
+        return {"path": published_clip("vit-l-14", root)}
+
     #: ``w`` of CLIPScore (Hessel et al. 2021): rescales cosines, which rarely exceed 0.4, toward [0, 1].
     WEIGHT = 2.5
 
@@ -144,6 +202,13 @@ class Aesthetic(CLIPReward):
         self.head = AestheticHead(int(self.model.config.projection_dim))
         self.head.load_state_dict(load_weights(self.options.head))
         self.head.to(self.device, self.dtype).eval().requires_grad_(False)
+
+    @classmethod
+    def benchmark_options(cls, root: Path) -> dict[str, Any]:
+        from safetensors.torch import save_file
+
+        save_file(AestheticHead(PUBLISHED_CLIP["vit-l-14"]["projection_dim"]).state_dict(), root / "head.safetensors")
+        return {"path": published_clip("vit-l-14", root), "head": str(root / "head.safetensors")}
 
     @classmethod
     def weight_files(cls, options: RewardOptions) -> dict[str, str | None]:

@@ -55,6 +55,11 @@ class DigitAlignment(Reward):
                     f"name one (zero..nine or 0..9) or use other rewards"
                 ) from None
 
+    @classmethod
+    def benchmark_inputs(cls, count: int, size: int = 512) -> tuple[np.ndarray, list[str]]:
+        images, _ = super().benchmark_inputs(count, size)
+        return images, ["a photo of a handwritten digit seven"] * count
+
     def _score(self, images: np.ndarray, prompts: Sequence[str], metadata: Metadata) -> np.ndarray:
         target = torch.tensor([td.prompt_digit(p) for p in prompts], device=self.device)
         probs = self.net(td.images_to_model_input(images).to(self.device)).softmax(-1)  # [B, 10]

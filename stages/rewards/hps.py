@@ -11,6 +11,8 @@ open_clip without pretrained weights, then the HPS checkpoint (``HPS_v2.1_compre
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -46,6 +48,15 @@ class HPSv2(Reward):
         self.model = model.to(self.device, self.dtype).eval().requires_grad_(False)
         self.preprocess = preprocess
         self.tokenizer = open_clip.get_tokenizer(self.options.architecture)
+
+    @classmethod
+    def benchmark_options(cls, root: Path) -> dict[str, Any]:
+        import open_clip
+        from safetensors.torch import save_file
+
+        model = open_clip.create_model(HPSOptions.model_fields["architecture"].default, pretrained=None)
+        save_file(model.state_dict(), root / "hps.safetensors")
+        return {"checkpoint": str(root / "hps.safetensors")}
 
     @classmethod
     def weight_files(cls, options: RewardOptions) -> dict[str, str | None]:

@@ -12,6 +12,7 @@ from the Hugging Face hub (or its cache) when the model is built. Not exercised 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -49,6 +50,10 @@ class ImageRewardScore(Reward):
             local(self.options.checkpoint), device=str(self.device), med_config=local(self.options.med_config)
         )
         self.model.eval().requires_grad_(False)
+
+    @classmethod
+    def benchmark_options(cls, root: Path) -> dict[str, Any]:
+        raise NotImplementedError("its BLIP loads bert-base-uncased from the Hugging Face hub (module doc)")
 
     @classmethod
     def weight_files(cls, options: RewardOptions) -> dict[str, str | None]:

@@ -65,6 +65,20 @@ class OCR(Reward):
             if not quoted_text(prompt):
                 raise ValueError(f'{field}: prompt {prompt!r} quotes no text ("..."), which reward ocr needs')
 
+    @classmethod
+    def benchmark_inputs(cls, count: int, size: int = 512) -> tuple[np.ndarray, list[str]]:
+        """Signs of four short texts rendered in black on white, and prompts quoting them."""
+        from PIL import Image, ImageDraw, ImageFont
+
+        texts = ["Spring Collection", "Forever Yours", "Open Late", "Fresh Bread"]
+        images = []
+        for i in range(count):
+            image = Image.new("RGB", (size, size), "white")
+            font = ImageFont.load_default(size=size // 12)
+            ImageDraw.Draw(image).text((size // 20, size * 9 // 20), texts[i % 4], fill="black", font=font)
+            images.append(np.asarray(image))
+        return np.stack(images), [f'a sign that reads "{texts[i % 4]}"' for i in range(count)]
+
     def read(self, image: np.ndarray) -> str:
         """The text RapidOCR reads in a uint8 RGB image ``[H, W, 3]``, its lines joined (as Flow-GRPO joins
         PaddleOCR's)."""

@@ -22,6 +22,7 @@ image as an image.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
@@ -35,6 +36,41 @@ from solrl.stages.rewards.base import Metadata, Reward, RewardOptions, Scores, l
 QUESTION = (
     'Does this {media} match the description "{prompt}" well, with good quality? Answer with one word, Yes or No.'
 )
+
+
+#: Qwen2.5-VL-7B-Instruct's architecture (its ``config.json``), which UnifiedReward-qwen-7b fine-tunes:
+#: 8,292,166,656 parameters (``VLMJudge.parameters``; tests/test_vlm_judge.py counts them).
+QWEN2_5_VL_7B: dict[str, Any] = {
+    "text_config": {
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "vocab_size": 152064,
+        "max_position_embeddings": 128000,
+        "rope_theta": 1000000.0,
+        "rope_scaling": {"type": "mrope", "rope_type": "default", "mrope_section": [16, 24, 24]},
+        "tie_word_embeddings": False,
+    },
+    "vision_config": {
+        "depth": 32,
+        "hidden_act": "silu",
+        "hidden_size": 1280,
+        "intermediate_size": 3420,
+        "num_heads": 16,
+        "in_chans": 3,
+        "out_hidden_size": 3584,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "window_size": 112,
+        "fullatt_block_indexes": [7, 15, 23, 31],
+        "tokens_per_second": 2,
+    },
+    "vocab_size": 152064,
+    "tie_word_embeddings": False,
+}
 
 
 class VLMJudgeOptions(RewardOptions):
@@ -102,6 +138,29 @@ class VLMJudge(Reward):
             )
         self.answer_ids = torch.tensor([ids[0] for ids in first])
         self.values = torch.tensor(list(self.options.answers.values()), dtype=torch.float32)
+
+    @classmethod
+    def benchmark_options(cls, root: Path) -> dict[str, Any]:
+        """Qwen2.5-VL-7B (``QWEN2_5_VL_7B``) at random bf16 weights (16.6 GB on disk and in memory) with a small
+        local processor (``tiny_components.qwen2_5_vl_processor``, at most 448 x 448 pixels)."""
+        from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+        from solrl.stages.models.tiny_components import qwen2_5_vl_processor
+
+        out = root / "qwen2.5-vl-7b"
+        processor, ids = qwen2_5_vl_processor(max_pixels=448 * 448)
+        processor.save_pretrained(out)
+        text = {
+            **QWEN2_5_VL_7B["text_config"],
+            "eos_token_id": ids["eos_token_id"],
+            "pad_token_id": ids["pad_token_id"],
+        }
+        config = Qwen2_5_VLConfig(
+            **{**QWEN2_5_VL_7B, "text_config": text},
+            **{k: v for k, v in ids.items() if k not in ("eos_token_id", "pad_token_id")},
+        )
+        Qwen2_5_VLForConditionalGeneration._from_config(config, dtype=torch.bfloat16).save_pretrained(out)
+        return {"model_path": str(out), "dtype": "bfloat16"}
 
     @classmethod
     def weight_files(cls, options: RewardOptions) -> dict[str, str | None]:
