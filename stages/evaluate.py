@@ -16,12 +16,13 @@ from solrl.stages.metrics.grid import save_grid
 from solrl.stages.metrics.grid_artifacts import grid_energy
 from solrl.stages.metrics.video import temporal_change
 from solrl.stages.quant.backends import sampling_network
+from solrl.stages.rewards.base import Scores
 from solrl.stages.sampling.compiled import compile_metrics
 from solrl.stages.sampling.rollout import generate
 from solrl.stages.sampling.samplers import derive_seed
 from solrl.stages.score import score_images
 from solrl.stages.sharding import WHOLE, Shard
-from solrl.storage.artifacts import EvalMetrics, EvalSamples, TrainedPolicy
+from solrl.storage.artifacts import EvalMetrics, EvalSamples, EvalScores, TrainedPolicy
 from solrl.storage.stage import StageOutput, read_manifest
 
 GRID = EvalSamples.grid
@@ -40,8 +41,8 @@ def evaluate(ctx: StageContext, out: Path, trained: TrainedPolicy | None, *, sha
     them with every reward of ``reward.evaluate`` and ``reward.weights`` (the trained ones are always reported).
 
     Writes ``EvalSamples`` (images ``[P, S, H, W, 3]``, videos ``[P, S, F, H, W, 3]``, seeds), ``EvalMetrics``
-    (per prompt and reward) and ``samples.png``. With ``shard``, only its prompts' samples and table
-    (``reduce_evaluate`` does the rest).
+    (per prompt and reward), ``EvalScores`` (per sample and reward, with the rewards' extra columns) and
+    ``samples.png``. With ``shard``, only its prompts' samples and tables (``reduce_evaluate`` does the rest).
     """
     evaluation = ctx.cfg.prompt_sets()[1]
     positions = shard.positions(len(evaluation.prompts))
@@ -90,6 +91,7 @@ def evaluate(ctx: StageContext, out: Path, trained: TrainedPolicy | None, *, sha
     )
     drawn.write(out)
     table.write(out)
+    _per_sample(prompts, seeds, scores).write(out)
     if shard.count > 1:
         return StageOutput(metrics=compile_metrics("evaluate", compiled))
     summary = _summary(ctx, out, drawn, table)
@@ -104,14 +106,46 @@ def eval_rewards(ctx: StageContext) -> list[str]:
 
 def reduce_evaluate(ctx: StageContext, out: Path, folders: list[Path], trained: TrainedPolicy | None) -> StageOutput:
     """The evaluate stage from its shards' folders (``solrl.stages.pipeline.run_stage``): their samples and tables
-    concatenated (the table in the whole stage's order: by reward, then prompt), then the grid and metrics."""
+    concatenated (the tables in the whole stage's order: by reward, then prompt), then the grid and metrics."""
     drawn = EvalSamples.concat([EvalSamples.read(folder / EvalSamples.filename) for folder in folders])
-    frame = pd.concat([EvalMetrics.read(folder / EvalMetrics.filename).frame for folder in folders])
     order = {name: i for i, name in enumerate(eval_rewards(ctx))}
-    table = EvalMetrics(frame.sort_values("reward", key=lambda r: r.map(order), kind="stable", ignore_index=True))
+
+    def merged(kind: type[EvalMetrics] | type[EvalScores]) -> pd.DataFrame:
+        frame = pd.concat([kind.read(folder / kind.filename).frame for folder in folders])
+        return frame.sort_values("reward", key=lambda r: r.map(order), kind="stable", ignore_index=True)
+
+    table = EvalMetrics(merged(EvalMetrics))
     drawn.write(out)
     table.write(out)
+    EvalScores(merged(EvalScores)).write(out)
     return _summary(ctx, out, drawn, table)
+
+
+def _per_sample(prompts: list[str], seeds: np.ndarray, scores: dict[str, Scores]) -> EvalScores:
+    """One row per (sample, reward) of ``P`` prompts with seeds int ``[P, S]``: prompt, sample (the slot), seed,
+    reward, value, then the rewards' extra columns (empty where a reward has none).
+
+    Raises:
+        ValueError: a reward's extra column has the name of one of the table's own.
+    """
+    P, S = seeds.shape
+    frames = []
+    for name, scored in scores.items():
+        frame = pd.DataFrame(
+            {
+                "prompt": np.repeat(np.array(prompts, dtype=object), S),
+                "sample": np.tile(np.arange(S, dtype=np.int64), P),
+                "seed": seeds.reshape(-1).astype(np.int64),
+                "reward": name,
+                "value": scored.values.astype(np.float32),
+            }
+        )
+        for column, cells in scored.columns.items():
+            if column in frame.columns:
+                raise ValueError(f"reward {name}: its extra column {column!r} is one of the evaluation table's own")
+            frame[column] = pd.Series(cells, dtype=object)
+        frames.append(frame)
+    return EvalScores(pd.concat(frames, ignore_index=True))
 
 
 def _summary(ctx: StageContext, out: Path, drawn: EvalSamples, table: EvalMetrics) -> StageOutput:

@@ -780,6 +780,16 @@ class EvalMetrics(TableArtifact):
     columns: ClassVar[tuple[str, ...]] = ("prompt", "reward", "mean")
 
 
+@dataclass
+class EvalScores(TableArtifact):
+    """Per evaluation sample and reward: its value, then the reward's extra columns (e.g. a judge's rationale;
+    empty in the rows of a reward without them). ``sample`` is the seed's slot in its prompt's row of the grid."""
+
+    stage: ClassVar[str] = "evaluate"
+    filename: ClassVar[str] = "scores.parquet"
+    columns: ClassVar[tuple[str, ...]] = ("prompt", "sample", "seed", "reward", "value")
+
+
 # -- checkpoints ------------------------------------------------------------------------------------------------
 
 

@@ -28,14 +28,14 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(name: str, port: int, token: str | None = None) -> subprocess.Popen:
-    """``solrl reward-server NAME`` on loopback (requiring bearer ``token`` when given, from its environment);
-    returns once ``/health`` answers (at most 60 s)."""
+def start_server(name: str, port: int, token: str | None = None, options: str = "{}") -> subprocess.Popen:
+    """``solrl reward-server NAME --options OPTIONS`` on loopback (requiring bearer ``token`` when given, from its
+    environment); returns once ``/health`` answers (at most 60 s)."""
     env = {k: v for k, v in os.environ.items() if k != "SOLRL_REWARD_TOKEN"} | (
         {"SOLRL_REWARD_TOKEN": token} if token else {}
     )
     proc = subprocess.Popen(
-        [*SOLRL, "reward-server", name, "--port", str(port), "--device", "cpu"],
+        [*SOLRL, "reward-server", name, "--port", str(port), "--device", "cpu", "--options", options],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         start_new_session=True,

@@ -90,18 +90,42 @@ def test_answers_that_share_a_first_token_or_a_question_without_the_prompt_are_r
         build_reward("j", "cpu", {"type": "vlm_judge", "model_path": judge_path, "answers": {"yes": 1, "yeah": 0}})
     with pytest.raises(ValueError, match=r"must contain \{prompt\}"):
         load_config("tiny-sana", ["reward.models={j: {type: vlm_judge, question: 'Good?'}}", "reward.evaluate=[j]"])
-    with pytest.raises(ValueError, match="a reward server scores images only"):
-        load_config("tiny-sana", ["reward.models={j: {type: vlm_judge, url: 'http://x'}}", "reward.evaluate=[j]"])
+
+
+def test_a_judge_behind_a_reward_server_scores_images_and_videos_with_its_rationale_as_it_does_locally(
+    judge_path: str,
+):
+    """``solrl reward-server vlm_judge`` (a real server process): the client takes the judge's inputs and columns,
+    sends videos whole, and gets the same values (float32 tolerance) and the same rationale as the judge in this
+    process, for images and for a video."""
+    import json
+
+    from test_remote_reward import free_port, start_server, stop
+
+    options = {"model_path": judge_path, "rationale": True, "max_new_tokens": 4, "batch_size": 2}
+    port = free_port()
+    server = start_server("vlm_judge", port, options=json.dumps(options))
+    try:
+        remote = build_reward("remote_judge", "cpu", {"type": "vlm_judge", "url": f"http://127.0.0.1:{port}"})
+        assert (remote.inputs, remote.columns) == ("video", ("rationale",))
+        local = build_reward("local_judge", "cpu", {"type": "vlm_judge", **options})
+        videos = np.random.default_rng(1).integers(0, 256, (2, 3, 32, 32, 3), dtype=np.uint8)
+        for samples, prompts in ((IMAGES, PROMPTS), (videos, PROMPTS[:2])):
+            got, expected = checked(remote, samples, prompts), checked(local, samples, prompts)
+            np.testing.assert_allclose(got.values, expected.values, rtol=1e-5, atol=1e-6)
+            assert got.columns == expected.columns and len(got.columns["rationale"]) == len(prompts)
+    finally:
+        stop(server)
 
 
 @pytest.mark.slow
 def test_two_differently_configured_judges_score_one_campaign(tmp_path: Path, judge_path: str):
     """judge_yes (P(Yes)) and judge_grade (a 1..5 grade, with its rationale) train one campaign: both
     score every candidate under their own names, and the rationale lands in the rewards tables beside the
-    grade's rows only."""
+    grade's rows only, and in the evaluation's per-sample table."""
     from solrl.flows.sol_rl import campaign
     from solrl.stages.runnable import check_runnable
-    from solrl.storage.artifacts import ExploreRewards, RegeneratedRewards
+    from solrl.storage.artifacts import EvalMetrics, EvalScores, ExploreRewards, RegeneratedRewards
     from solrl.storage.runs import create_run
 
     grade = {str(g): float(g) for g in range(1, 6)}
@@ -133,6 +157,18 @@ def test_two_differently_configured_judges_score_one_campaign(tmp_path: Path, ju
         yes, graded = table[table["reward"] == "judge_yes"], table[table["reward"] == "judge_grade"]
         assert yes["value"].between(0, 1).all() and graded["value"].between(1, 5).all()
         assert yes["rationale"].isna().all() and graded["rationale"].map(type).eq(str).all()
+    samples = EvalScores.load(run.run_dir, 0).frame  # the evaluation's samples: one row per (sample, judge)
+    seeds = cfg.campaign.eval_seeds
+    assert {"judge_yes", "judge_grade"} <= set(samples["reward"])
+    assert samples.groupby("reward").size().eq(seeds * samples["prompt"].nunique()).all()
+    graded = samples[samples["reward"] == "judge_grade"]
+    assert (
+        graded["rationale"].map(type).eq(str).all()
+        and samples[samples["reward"] == "judge_yes"]["rationale"].isna().all()
+    )
+    means = EvalMetrics.load(run.run_dir, 0).frame.set_index(["prompt", "reward"])["mean"]
+    per_sample = samples.groupby(["prompt", "reward"])["value"].mean()
+    assert np.allclose(per_sample.loc[means.index], means, atol=1e-6)  # the metrics are these samples' means
 
 
 def test_the_published_judge_the_benchmark_builds_has_the_parameters_the_memory_plan_counts():

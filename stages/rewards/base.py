@@ -109,10 +109,7 @@ class Reward:
     @classmethod
     def options_for(cls, raw: dict[str, Any]) -> RewardOptions:
         """Validate ``reward.models.<name>``: this reward's ``Options``, or only the common ones when ``url``
-        names a reward server (which holds the rest). Raises pydantic's ValidationError, or ValueError for
-        ``url`` on a reward that takes videos or groups (a server scores image batches)."""
-        if raw.get("url") and cls.inputs != "image":
-            raise ValueError(f"reward {cls.name} scores {cls.inputs}s; a reward server scores images only: drop url")
+        names a reward server (which holds the rest). Raises pydantic's ValidationError."""
         return (RewardOptions if raw.get("url") else cls.Options).model_validate(raw)
 
     @classmethod

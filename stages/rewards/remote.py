@@ -10,8 +10,13 @@ Who may score: with ``SOLRL_REWARD_TOKEN`` set in the server's environment, ever
 bearer token (``Authorization: Bearer <token>``) or is refused with HTTP 401; the client sends the token of its
 own environment. The token only ever comes from the environment, never from a config or the command line.
 
-Wire format (JSON): ``{"prompts": [...], "metadata": [...] | null, "shape": [B, H, W, 3], "images": base64 of
-the raw uint8 bytes}`` -> ``{"scores": [B floats]}``; errors are HTTP 4xx/5xx with ``{"detail": "..."}``.
+What is served is the reward's own: its ``inputs`` (image batches, videos ``[B, F, H, W, 3]``, or one prompt's
+whole group per request) and its extra ``columns`` (e.g. a judge's rationale), which ``GET /health`` declares and
+the client takes over, so a remote reward stores the same rewards table as a local one.
+
+Wire format (JSON): ``{"prompts": [...], "metadata": [...] | null, "shape": [B, H, W, 3] or [B, F, H, W, 3],
+"images": base64 of the raw uint8 bytes, "group_size": int | null}`` -> ``{"scores": [B floats], "columns":
+{name: [B values]}}``; errors are HTTP 4xx/5xx with ``{"detail": "..."}``.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel
 
-from solrl.stages.rewards.base import Metadata, Reward, RewardError, RewardOptions
+from solrl.stages.rewards.base import Metadata, Reward, RewardError, RewardOptions, Scores
 
 #: Seconds before the first retry; doubled after each failed attempt.
 BACKOFF_SECONDS = 0.5
@@ -45,7 +50,8 @@ class ScoreRequest(BaseModel):
     prompts: list[str]
     metadata: list[dict[str, Any]] | None = None
     shape: list[int]
-    images: str  # base64 of the uint8 [B, H, W, 3] bytes
+    images: str  # base64 of the uint8 [B, H, W, 3] (or [B, F, H, W, 3]) bytes
+    group_size: int | None = None  # a group reward: consecutive samples per group (null: all one group)
 
 
 def encode_images(images: np.ndarray) -> dict[str, Any]:
@@ -53,10 +59,16 @@ def encode_images(images: np.ndarray) -> dict[str, Any]:
 
 
 def decode_images(shape: Sequence[int], data: str) -> np.ndarray:
-    """uint8 ``[B, H, W, 3]`` from the wire. Raises ValueError on a size or shape mismatch."""
+    """uint8 images ``[B, H, W, 3]`` or videos ``[B, F, H, W, 3]`` from the wire (the reward checks which it takes).
+
+    Raises:
+        ValueError: the bytes do not make that shape, or the shape is neither.
+    """
     raw = base64.b64decode(data, validate=True)
-    if len(shape) != 4 or shape[-1] != 3 or int(np.prod(shape)) != len(raw):
-        raise ValueError(f"images: {len(raw)} bytes do not make uint8 [B, H, W, 3] of shape {list(shape)}")
+    if len(shape) not in (4, 5) or shape[-1] != 3 or int(np.prod(shape)) != len(raw):
+        raise ValueError(
+            f"images: {len(raw)} bytes do not make uint8 [B, H, W, 3] or [B, F, H, W, 3] of shape {list(shape)}"
+        )
     return np.frombuffer(raw, dtype=np.uint8).reshape(shape)
 
 
@@ -83,22 +95,31 @@ def create_app(reward: Reward, token: str | None = None):  # -> fastapi.FastAPI
 
     @app.get("/health")
     def health() -> dict[str, Any]:
-        return {"reward": reward.name, "options": reward.options.model_dump(mode="json")}
+        return {
+            "reward": reward.name,
+            "options": reward.options.model_dump(mode="json"),
+            "inputs": reward.inputs,
+            "columns": list(reward.columns),
+        }
 
     @app.post("/score")
-    def score(request: ScoreRequest) -> dict[str, list[float]]:
+    def score(request: ScoreRequest) -> dict[str, Any]:
         try:
             images = decode_images(request.shape, request.images)
-            values = reward(images, request.prompts, request.metadata)
+            scored = reward.score(images, request.prompts, request.metadata, group_size=request.group_size)
         except ValueError as exc:
             raise HTTPException(status_code=422, detail=str(exc)) from exc
-        return {"scores": [float(v) for v in values]}
+        columns = {
+            name: [v.item() if isinstance(v, np.generic) else v for v in vs] for name, vs in scored.columns.items()
+        }
+        return {"scores": [float(v) for v in scored.values], "columns": columns}
 
     return app
 
 
 class RemoteReward(Reward):
-    """Client of a reward server: scores batches of ``options.batch_size`` images by ``POST {url}/score``.
+    """Client of a reward server: scores batches of ``options.batch_size`` images (or videos, or one group per
+    request, as the served reward's ``inputs`` say) by ``POST {url}/score``, with the served reward's columns.
 
     Each request is tried ``options.retries + 1`` times with back-off (0.5 s, 1 s, 2 s, ...) on connection
     errors, timeouts and 5xx answers; a 4xx answer (bad input) is not retried.
@@ -112,15 +133,19 @@ class RemoteReward(Reward):
         (an instance's own name; default ``name``), for the messages."""
         import httpx
 
+        from solrl.registry import REWARDS
+
         super().__init__(options, "cpu")
         self.name = name  # type: ignore[misc]  # the served reward's name, not a class constant here
+        served = REWARDS.get(name)
+        self.inputs, self.columns = served.inputs, served.columns  # type: ignore[misc]  # the served reward's
         self.key = key or name
         self.url = str(options.url).rstrip("/")
         token = reward_token()
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.client = httpx.Client(timeout=options.timeout, headers=headers)
 
-    def _post(self, payload: dict[str, Any]) -> list[float]:
+    def _post(self, payload: dict[str, Any]) -> dict[str, Any]:
         import httpx
 
         attempts = self.options.retries + 1
@@ -131,7 +156,7 @@ class RemoteReward(Reward):
                 cause = f"{exc.__class__.__name__}: {exc}"
             else:
                 if response.status_code < 400:
-                    return response.json()["scores"]
+                    return response.json()
                 cause = f"HTTP {response.status_code}: {response.text[:300]}"
                 if response.status_code == 401:
                     cause += f"; set {TOKEN_ENV} to the server's token"
@@ -145,19 +170,23 @@ class RemoteReward(Reward):
             f"fix reward.models.{self.key}.url, then resume"
         )
 
-    def _score(self, images: np.ndarray, prompts: Sequence[str], metadata: Metadata) -> np.ndarray:
-        scores = self._post(
+    def _score(self, images: np.ndarray, prompts: Sequence[str], metadata: Metadata) -> Scores:
+        answer = self._post(
             {
                 "prompts": list(prompts),
                 "metadata": None if metadata is None else list(metadata),
+                "group_size": len(prompts) if self.inputs == "group" else None,
                 **encode_images(images),
             }
         )
-        if len(scores) != len(prompts):
+        scores, columns = answer["scores"], answer.get("columns") or {}
+        lengths = {len(scores), *(len(values) for values in columns.values())}
+        if lengths != {len(prompts)}:
             raise RewardError(
-                f"reward {self.name}: the server at {self.url} returned {len(scores)} scores for {len(prompts)} images"
+                f"reward {self.name}: the server at {self.url} returned {len(scores)} scores and columns of "
+                f"{sorted(lengths)} values for {len(prompts)} samples"
             )
-        return np.asarray(scores, np.float32)
+        return Scores(np.asarray(scores, np.float32), columns)
 
     def check_server(self) -> None:
         """Raises RewardError unless ``GET {url}/health`` answers for this reward."""
