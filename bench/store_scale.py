@@ -195,11 +195,10 @@ def standin_config(preset: str, root: str, prompts: int, shards: int, extra: lis
 
 def store_bytes(run_dir: Path) -> int:
     """What the run leaves in its store: the local folder, or the objects under the run's key."""
-    from solrl.storage.mirror import remote
+    from solrl.storage.mirror import locate
 
-    if (on_store := remote(run_dir)) is not None:
-        store, key = on_store
-        return int(store.fs.du(store.path(key)))
+    if (place := locate(run_dir)).mirrored:
+        return int(place.store.fs.du(place.store.path(place.key)))
     return sum(p.stat().st_size for p in Path(run_dir).rglob("*") if p.is_file())
 
 

@@ -182,7 +182,6 @@ def _report(store: str, run_id: str, outcome: str = "finished") -> None:
 
     from solrl.stages.guards import evaluation_summary
     from solrl.storage.html_report import REPORT_DIR
-    from solrl.storage.mirror import remote
     from solrl.storage.runs import open_run
     from solrl.storage.tracking import TRACKING_FILE, experiment_url, tracking_uri
 
@@ -196,7 +195,7 @@ def _report(store: str, run_id: str, outcome: str = "finished") -> None:
     prefect_home = os.environ.get("PREFECT_HOME", "~/.prefect")
     # One server process and no GenAI job workers (MLflow's default starts about ten processes).
     mlflow_ui = f"MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false mlflow ui --workers 1 --backend-store-uri {uri}"
-    mirrored = remote(run.run_dir) is not None  # an object store's run, worked on through a mirror here
+    mirrored = run.place.mirrored  # an object store's run, worked on through a mirror here
     typer.echo(
         f"\nrun {run_id} {outcome}; results in {run.store}/{run_id}"
         + (f" (this machine's copy: {run.run_dir})" if mirrored else "")

@@ -17,6 +17,7 @@ from solrl.stages.models.adapter import EmbeddingCacheMiss
 from solrl.stages.models.policy import ADAPTERS, Policy
 from solrl.stages.sampling.samplers import derive_seed
 from solrl.storage.artifacts import CheckpointArtifact
+from solrl.storage.mirror import RunPlace, locate
 from solrl.storage.runs import Run
 
 #: Folder of the run store caching the prompt embeddings of a run (one safetensors file per model and prompt set).
@@ -47,6 +48,11 @@ class StageContext:
     def of(cls, run: Run, iteration: int) -> StageContext:
         """The context of ``run``'s stages at ``iteration``: its stored config, folder, id and config hash."""
         return cls(run.config, run.run_dir, run.run_id, iteration, run.config_hash)
+
+    @property
+    def place(self) -> RunPlace:
+        """Where the run lives (``solrl.storage.mirror.RunPlace``): its store, key and this machine's folder."""
+        return locate(self.run_dir)
 
     @property
     def config_key(self) -> str:

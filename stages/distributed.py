@@ -36,7 +36,6 @@ from pathlib import Path
 from solrl.processes import die_with_parent
 from solrl.stages.context import StageContext, release_policies
 from solrl.stages.models.policy import Policy
-from solrl.storage.mirror import run_store
 from solrl.storage.stage import StageOutput, commit_point
 
 #: The first process's metrics and info, read and removed by the launcher (never committed).
@@ -107,7 +106,7 @@ def _launch_ray(ctx: StageContext, out: Path) -> StageOutput:
     from solrl.stages.cluster import ray_session
 
     workers, cuda = ctx.cfg.train.workers, ctx.device.type == "cuda"
-    run_on = run_store(ctx.run_dir)[0]
+    run_on = ctx.place.store
     store = run_on.root if run_on.local else run_on.uri  # what every worker's open_run takes
     with ray_session(ctx.cfg, workers), tempfile.TemporaryDirectory(prefix="solrl-ray-train-") as storage:
         trainer = TorchTrainer(

@@ -29,7 +29,7 @@ import torch
 import zarr
 
 from solrl.storage.checkpoints import load_checkpoint, save_checkpoint
-from solrl.storage.mirror import remote
+from solrl.storage.mirror import locate
 from solrl.storage.stage import (
     FileEntry,
     StageManifest,
@@ -211,7 +211,7 @@ class ZarrArtifact(Artifact):
             return rel.startswith(chunks) and "/c/" in rel
 
         directory, manifest = require(run_dir, source, cls.stage, defer=is_chunk)
-        if remote(run_dir) is None:
+        if not locate(run_dir).mirrored:
             artifact = cls.read(directory / cls.filename)
         else:
 

@@ -7,8 +7,10 @@ store stays the truth: every manifest and ``run.json`` is read from it, every co
 (``solrl.storage.stage``), and the mirror only holds copies of the files this machine wrote or fetched, each
 checked against its manifest's sha256 before it is used. Deleting a mirror loses nothing.
 
-The mirror's root holds ``.store.json``, naming the store, so any process of this machine handed a run folder (a
-shard task, a torchrun worker) finds the store from the folder alone.
+Where a run lives is one object, its ``RunPlace``: the store that holds it, its key there, the folder this machine
+works in, and the commit guard of the process holding its lease. ``run_folder`` records the place of every run it
+opens; a process handed only a folder (a shard task, a torchrun worker) finds it once from the mirror's root,
+which holds ``.store.json`` naming the store, and ``locate`` keeps it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import functools
 import hashlib
 import json
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from solrl.storage.store import Store
@@ -29,23 +33,61 @@ def cache_root() -> Path:
     return Path(os.environ.get("SOLRL_CACHE", "~/.cache/solrl")).expanduser()
 
 
+@dataclass
+class RunPlace:
+    """Where a run lives: ``store`` holds it under ``key`` (the truth), and this machine reads and writes it in
+    ``folder`` (the run's own folder in a local store, its mirror for an object store). ``guard`` is called before
+    each commit of the run's stages while this process holds its lease (``solrl.storage.runs.run_lock``); it
+    raises ``LeaseLost`` once the lease was taken over."""
+
+    folder: Path
+    store: Store
+    key: str
+    guard: Callable[[], None] | None = None
+
+    @property
+    def mirrored(self) -> bool:
+        """Whether the run is on an object store, worked on through a mirror here."""
+        return not self.store.local
+
+
+#: The place of every run folder this process opened or was handed (``locate``), by its folder.
+_PLACES: dict[str, RunPlace] = {}
+
+
 def run_folder(store: Store, run_id: str) -> Path:
     """The folder this machine reads and writes run ``run_id`` of ``store`` in: the run's own folder in a local
-    store, its mirror for an object store (made, with its marker, on first use).
+    store, its mirror for an object store (made, with its marker, on first use). Records the run's place.
 
     Raises:
         OSError: the cache folder cannot be written.
     """
     if store.local:
-        return Path(store.root) / run_id
-    mirror = cache_root() / "stores" / hashlib.sha256(store.uri.encode()).hexdigest()[:16]
-    marker = mirror / STORE_MARKER
-    if not marker.exists():
-        mirror.mkdir(parents=True, exist_ok=True)
-        tmp = mirror / f".{STORE_MARKER}.tmp-{os.getpid()}"
-        tmp.write_text(json.dumps({"uri": store.uri}) + "\n")
-        os.replace(tmp, marker)
-    return mirror / run_id
+        folder = Path(store.root) / run_id
+    else:
+        mirror = cache_root() / "stores" / hashlib.sha256(store.uri.encode()).hexdigest()[:16]
+        marker = mirror / STORE_MARKER
+        if not marker.exists():
+            mirror.mkdir(parents=True, exist_ok=True)
+            tmp = mirror / f".{STORE_MARKER}.tmp-{os.getpid()}"
+            tmp.write_text(json.dumps({"uri": store.uri}) + "\n")
+            os.replace(tmp, marker)
+        folder = mirror / run_id
+    place = _PLACES.get(str(folder))
+    if place is None or place.store.uri != store.uri:
+        _PLACES[str(folder)] = RunPlace(folder, store, run_id)
+    return folder
+
+
+def locate(run_dir: Path) -> RunPlace:
+    """The place of run folder ``run_dir``: as ``run_folder`` recorded it, else found once from the folder (a
+    mirror's root names its object store; any other folder is a run of the local store that holds it)."""
+    key = str(run_dir)
+    if key not in _PLACES:
+        folder = Path(run_dir)
+        store = _mirrored_store(str(folder.parent)) or Store.open(folder.parent)
+        _PLACES[key] = RunPlace(folder, store, folder.name)
+    return _PLACES[key]
 
 
 @functools.lru_cache(maxsize=64)
@@ -57,18 +99,6 @@ def _mirrored_store(parent: str) -> Store | None:
     return Store.open(uri)
 
 
-def remote(run_dir: Path) -> tuple[Store, str] | None:
-    """The object store and the run's key in it when ``run_dir`` is a mirror; None for a run of a local store."""
-    store = _mirrored_store(str(Path(run_dir).parent))
-    return None if store is None else (store, Path(run_dir).name)
-
-
-def run_store(run_dir: Path) -> tuple[Store, str]:
-    """The store a run folder belongs to and the run's key in it: the object store of a mirror (``remote``), else
-    the local store that holds the folder."""
-    return remote(run_dir) or (Store.open(Path(run_dir).parent), Path(run_dir).name)
-
-
 def publish_folder(run_dir: Path, relative: str) -> None:
     """Copy ``<run_dir>/<relative>`` (a folder no stage commits, such as the HTML report) to the object store a
     mirrored run belongs to, file by file; nothing for a run of a local store.
@@ -76,6 +106,6 @@ def publish_folder(run_dir: Path, relative: str) -> None:
     Raises:
         OSError: the store refused a write.
     """
-    if (on_store := remote(run_dir)) is not None:
-        store, run_key = on_store
-        store.put_folder(Path(run_dir) / relative, f"{run_key}/{relative}")
+    place = locate(run_dir)
+    if place.mirrored:
+        place.store.put_folder(Path(run_dir) / relative, f"{place.key}/{relative}")

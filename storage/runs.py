@@ -13,9 +13,8 @@ from pathlib import Path
 
 from solrl import __version__
 from solrl.config import ConfigError, RunConfig, config_digest, validate_config
-from solrl.storage import stage
 from solrl.storage.lease import DEFAULT_TTL, LEASE, Lease, LeaseHeld
-from solrl.storage.mirror import run_folder, run_store
+from solrl.storage.mirror import RunPlace, locate, run_folder
 from solrl.storage.stage import MANIFEST, write_json_atomic
 from solrl.storage.store import Store, StoreError
 
@@ -40,6 +39,11 @@ class Run:
     #: The run store as ``--store`` takes it: a local folder's absolute path, or an object store's URL. For an
     #: object store ``run_dir`` is this machine's mirror of the run (``solrl.storage.mirror``).
     store: str = ""
+
+    @property
+    def place(self) -> RunPlace:
+        """Where the run lives: its store, key, this machine's folder and, while a lock holds it, the commit guard."""
+        return locate(self.run_dir)
 
 
 def open_store(root: str | Path) -> Store:
@@ -246,8 +250,9 @@ def run_lock(run_dir: Path, ttl: float = DEFAULT_TTL) -> Iterator[None]:
         ConfigError: another live process holds the run.
     """
     run_dir = Path(run_dir)
-    store, run_key = run_store(run_dir)
-    lease = Lease(store, f"{run_key}/{LEASE}", ttl)
+    place = locate(run_dir)
+    store = place.store
+    lease = Lease(store, f"{place.key}/{LEASE}", ttl)
     try:
         lease.acquire()
     except LeaseHeld as exc:
@@ -256,9 +261,9 @@ def run_lock(run_dir: Path, ttl: float = DEFAULT_TTL) -> Iterator[None]:
             f"whose holder died elsewhere runs out by itself), then `solrl resume {run_dir.name} --store "
             f"{_store_arg(store)}`"
         ) from None
-    stage.commit_guard = lease.check
+    place.guard = lease.check
     try:
         yield
     finally:
-        stage.commit_guard = None
+        place.guard = None
         lease.release()

@@ -36,7 +36,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from solrl.storage.mirror import remote, run_store
+from solrl.storage.mirror import RunPlace, locate
 from solrl.storage.store import Store, fsync_dir
 
 MANIFEST = "_MANIFEST.json"
@@ -272,8 +272,8 @@ def read_manifest(
     the store, for a reader that fetches them when it needs them (``fetch_file``; a pool's chunks).
     """
     directory = stage_dir(run_dir, iteration, stage)
-    if (on_store := remote(run_dir)) is not None:
-        return _read_remote_manifest(*on_store, run_dir, iteration, stage, verify, fetch, defer)
+    if (place := locate(run_dir)).mirrored:
+        return _read_remote_manifest(place.store, place.key, run_dir, iteration, stage, verify, fetch, defer)
     try:
         manifest = StageManifest.model_validate_json((directory / MANIFEST).read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -304,9 +304,9 @@ def committed_key(run_dir: Path, iteration: int, stage: str) -> tuple[Store, str
     manifest = read_manifest(run_dir, iteration, stage)
     if manifest is None:
         raise StageNotCommitted(f"iteration {iteration} stage {stage!r} has no valid manifest in {run_dir}")
-    store, run_key = run_store(run_dir)
-    folder = stage_dir(Path(run_key), iteration, stage) / manifest.prefix
-    return store, folder.as_posix()
+    place = locate(run_dir)
+    folder = stage_dir(Path(place.key), iteration, stage) / manifest.prefix
+    return place.store, folder.as_posix()
 
 
 def _stage_key(run_key: str, run_dir: Path, directory: Path) -> str:
@@ -381,16 +381,16 @@ def fetch_file(run_dir: Path, iteration: int, stage: str, manifest: StageManifes
     """Bring file ``rel`` of a committed stage of a mirrored run into the mirror, checked against its sha256 (a
     file a reader deferred: ``read_manifest(defer=...)``). True when it is there now; False for a local run or
     a file the manifest does not list or whose download does not match."""
-    on_store = remote(run_dir)
+    place = locate(run_dir)
     entry = manifest.present().get(rel)
-    if on_store is None or entry is None:
+    if not place.mirrored or entry is None:
         return False
     directory = stage_dir(run_dir, iteration, stage)
     path = directory / manifest.prefix / rel
     if path.is_file() and path.stat().st_size == entry.size:
         return True
-    key = f"{_stage_key(on_store[1], run_dir, directory)}/{manifest.prefix}/{rel}"
-    return _fetch(on_store[0], key, path, entry)
+    key = f"{_stage_key(place.key, run_dir, directory)}/{manifest.prefix}/{rel}"
+    return _fetch(place.store, key, path, entry)
 
 
 def output_dir(run_dir: Path, iteration: int, stage: str) -> Path:
@@ -448,11 +448,6 @@ def remove_dir(path: Path) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
-#: Called before a commit replaces a stage's folder (``solrl.storage.runs.run_lock`` sets it to its lease's
-#: check): a process whose run lease was taken over after it stalled must not commit over its successor.
-commit_guard: Callable[[], None] | None = None
-
-
 def commit(
     run_dir: Path,
     run_id: str,
@@ -470,20 +465,21 @@ def commit(
     ``prior_seconds`` (a sharded stage's shards).
 
     Raises:
-        LeaseLost: (from ``commit_guard``) this process no longer holds the run; nothing is replaced.
+        LeaseLost: (from the run's ``RunPlace.guard``, set while ``run_lock`` holds its lease) this process no
+            longer holds the run, which another process took over after this one stalled; nothing is replaced.
     """
     global _committing
     final = stage_dir(run_dir, iteration, stage)
-    on_store = remote(run_dir)
-    if on_store is not None:
-        store, stage_key = on_store[0], _stage_key(on_store[1], run_dir, final)
-        replaced = store.tag(f"{stage_key}/{MANIFEST}")  # the commit replaces exactly this manifest, or none
+    place = locate(run_dir)
+    if place.mirrored:
+        stage_key = _stage_key(place.key, run_dir, final)
+        replaced = place.store.tag(f"{stage_key}/{MANIFEST}")  # the commit replaces exactly this manifest, or none
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:8]}")
     tmp.mkdir()
     start = time.perf_counter()
     _committing = (iteration, stage)
-    prefix = f"a-{uuid.uuid4().hex[:12]}" if on_store is not None else ""
+    prefix = f"a-{uuid.uuid4().hex[:12]}" if place.mirrored else ""
     try:
         output = write(tmp)
         plain_modes(tmp)
@@ -501,14 +497,14 @@ def commit(
             prefix=prefix,
             node=current_node(),
         )
-        if on_store is not None:
-            _publish(store, stage_key, tmp, manifest, replaced)
+        if place.mirrored:
+            _publish(place, stage_key, tmp, manifest, replaced)
             remove_dir(final)
             final.mkdir()
             os.replace(tmp, final / prefix)  # the mirror: the committed attempt, where readers look for it
         else:
-            if commit_guard is not None:
-                commit_guard()
+            if place.guard is not None:
+                place.guard()
             remove_dir(final)
             os.replace(tmp, final)
             commit_point("renamed")
@@ -530,21 +526,22 @@ class StageCommitLost(RuntimeError):
     """Another writer committed the stage between this attempt's start and its manifest write (object stores)."""
 
 
-def _publish(store: Store, stage_key: str, folder: Path, manifest: StageManifest, replaced: str | None) -> None:
+def _publish(place: RunPlace, stage_key: str, folder: Path, manifest: StageManifest, replaced: str | None) -> None:
     """Commit ``folder`` as ``manifest`` on an object store: upload it under the attempt's own prefix, then write
     the manifest conditionally: create-only where there was none, else only over the manifest of tag
     ``replaced``. Of racing writers one wins; a loser removes its prefix, which no manifest names. Attempts the
     new manifest does not name are removed after it (readers never list, so one left by a kill is never read).
 
     Raises:
-        StageCommitLost: another writer's manifest won. LeaseLost: (``commit_guard``) this process lost the run.
+        StageCommitLost: another writer's manifest won. LeaseLost: (``place.guard``) this process lost the run.
     """
+    store = place.store
     attempt = f"{stage_key}/{manifest.prefix}"
     try:
         store.put_folder(folder, attempt)
         commit_point("renamed")  # every file uploaded, the manifest not written
-        if commit_guard is not None:
-            commit_guard()
+        if place.guard is not None:
+            place.guard()
         data = json.dumps(manifest.model_dump(mode="json"), indent=2, sort_keys=True).encode() + b"\n"
         key = f"{stage_key}/{MANIFEST}"
         won = store.create(key, data) if replaced is None else store.replace_if(key, data, replaced)
@@ -562,8 +559,8 @@ def _publish(store: Store, stage_key: str, folder: Path, manifest: StageManifest
 def remove_stage_tree(run_dir: Path, relative: str) -> None:
     """Remove ``<run_dir>/<relative>`` (a sharded stage's shards, once merged): from the store first for a
     mirrored run, then from this machine."""
-    if (on_store := remote(run_dir)) is not None:
-        on_store[0].delete(f"{on_store[1]}/{relative}")
+    if (place := locate(run_dir)).mirrored:
+        place.store.delete(f"{place.key}/{relative}")
     remove_dir(Path(run_dir) / relative)
 
 
@@ -601,8 +598,8 @@ class Mismatch:
 def committed_stages(run_dir: Path) -> list[tuple[int, str]]:
     """Every (iteration, stage) folder of the run holding a manifest, in iteration then name order (a mirrored
     run: as the object store lists them)."""
-    if (on_store := remote(run_dir)) is not None:
-        store, run_key = on_store
+    if (place := locate(run_dir)).mirrored:
+        store, run_key = place.store, place.key
         found = []
         for name in sorted(store.ls(run_key)):
             if re.fullmatch(r"iter_\d{6}", name):
@@ -627,15 +624,14 @@ def verify_run(run_dir: Path, on_file: Callable[[int, str, str], None] | None = 
         the files that differ, in run order; a stage whose manifest is unreadable gives one ``Mismatch`` with
         file ``_MANIFEST.json`` and problem ``unreadable``.
     """
-    on_store = remote(run_dir)
+    place = locate(run_dir)
     found: list[Mismatch] = []
     for iteration, stage in committed_stages(run_dir):
         directory = stage_dir(run_dir, iteration, stage)
         try:
-            if on_store is not None:
-                store, run_key = on_store
-                key = _stage_key(run_key, run_dir, directory)
-                raw = store.read_bytes(f"{key}/{MANIFEST}").decode("utf-8")
+            if place.mirrored:
+                key = _stage_key(place.key, run_dir, directory)
+                raw = place.store.read_bytes(f"{key}/{MANIFEST}").decode("utf-8")
             else:
                 raw = (directory / MANIFEST).read_text(encoding="utf-8")
             manifest = StageManifest.model_validate_json(raw)
@@ -646,8 +642,8 @@ def verify_run(run_dir: Path, on_file: Callable[[int, str, str], None] | None = 
             if on_file is not None:
                 on_file(iteration, stage, rel)
             try:
-                if on_store is not None:
-                    size, digest = _store_sha256(on_store[0], f"{key}/{manifest.prefix}/{rel}")
+                if place.mirrored:
+                    size, digest = _store_sha256(place.store, f"{key}/{manifest.prefix}/{rel}")
                 else:
                     path = directory / manifest.prefix / rel
                     size, digest = path.stat().st_size, _sha256(path)
@@ -674,8 +670,8 @@ def uncommit(run_dir: Path, iteration: int, stage: str) -> None:
     """Remove a stage's manifest, so the stage no longer exists and the next resume redoes it (``solrl verify
     --redo``); its files stay until that commit replaces the folder."""
     directory = stage_dir(run_dir, iteration, stage)
-    if (on_store := remote(run_dir)) is not None:
-        on_store[0].delete(f"{_stage_key(on_store[1], run_dir, directory)}/{MANIFEST}")
+    if (place := locate(run_dir)).mirrored:
+        place.store.delete(f"{_stage_key(place.key, run_dir, directory)}/{MANIFEST}")
     (directory / MANIFEST).unlink(missing_ok=True)
 
 
@@ -713,13 +709,13 @@ def prune(
     before = sum(e.size for e in manifest.present().values())
     directory = stage_dir(run_dir, iteration, stage)
     folder = directory / manifest.prefix
-    on_store = remote(run_dir)
-    attempt = "" if on_store is None else f"{_stage_key(on_store[1], run_dir, directory)}/{manifest.prefix}"
+    place = locate(run_dir)
+    attempt = f"{_stage_key(place.key, run_dir, directory)}/{manifest.prefix}" if place.mirrored else ""
     rewritten = dict(manifest.rewritten)
     for rel, edit in (rewrite or {}).items():
-        if on_store is not None:
-            data = edit(on_store[0].read_bytes(f"{attempt}/{rel}"))
-            on_store[0].write_bytes(f"{attempt}/{rel}", data)
+        if place.mirrored:
+            data = edit(place.store.read_bytes(f"{attempt}/{rel}"))
+            place.store.write_bytes(f"{attempt}/{rel}", data)
             (folder / rel).unlink(missing_ok=True)  # fetched again, at its new size, by the next reader
         else:
             data = edit((folder / rel).read_bytes())
@@ -729,8 +725,8 @@ def prune(
         rewritten[rel] = FileEntry(size=len(data), sha256=hashlib.sha256(data).hexdigest())
     updated = manifest.model_copy(update={"pruned": {**manifest.pruned, **new}, "rewritten": rewritten})
     data = updated.model_dump(mode="json")
-    if on_store is not None:
-        store = on_store[0]
+    if place.mirrored:
+        store = place.store
         store.write_bytes(
             f"{attempt.rsplit('/', 1)[0]}/{MANIFEST}", json.dumps(data, indent=2, sort_keys=True).encode() + b"\n"
         )

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from solrl.cli import app
 from solrl.stages.context import StageContext
 from solrl.stages.pipeline import campaign_plan, run_stage
-from solrl.storage.mirror import remote
+from solrl.storage.mirror import locate
 from solrl.storage.runs import create_run, list_runs, open_run
 from solrl.storage.stage import MANIFEST, StageOutput, commit, read_manifest, require, stage_dir
 from solrl.storage.store import Store
@@ -56,8 +56,8 @@ def checksums(run_dir: Path) -> dict[tuple[int, str, str], object]:
 
 
 def _store_and_id(run_dir: Path) -> tuple[str, str]:
-    on_store = remote(run_dir)
-    return (on_store[0].uri if on_store else str(run_dir.parent)), run_dir.name
+    place = locate(run_dir)
+    return (place.store.uri if place.mirrored else str(run_dir.parent)), run_dir.name
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +86,7 @@ def _s3_user(env: pytest.MonkeyPatch, endpoint: str) -> str:
 
 def test_a_campaign_on_s3_equals_the_local_one_file_for_file(s3_and_local):
     on_s3, local, root, _ = s3_and_local
-    assert remote(on_s3) is not None and remote(local) is None
+    assert locate(on_s3).mirrored and not locate(local).mirrored
     expected = checksums(local)
     assert len(expected) > 20 and checksums(on_s3) == expected
     # On the store: the run file, and each stage's manifest beside the one attempt it names (no other).
@@ -165,7 +165,7 @@ def _two_files(out: Path) -> StageOutput:
 
 def test_a_corrupted_object_or_manifest_on_the_store_is_never_trusted(s3_and_local):
     on_s3, _, root, _ = s3_and_local
-    store, run_key = remote(on_s3)
+    store = locate(on_s3).store
     run_dir = on_s3.parent / "commit-tests"
     commit(run_dir, "commit-tests", 1, "explore", "k", _two_files)
     key = "commit-tests/iter_000001/explore"
@@ -277,7 +277,7 @@ def test_two_writers_racing_for_one_stage_one_manifest_wins(s3_and_local):
     folder, manifest = require(run_dir, 1, "explore")
     assert manifest.prefix == winners[0].prefix
     assert (folder / "writer.txt").read_text() == f"writer {int(manifest.metrics['writer'])}"
-    store, _ = remote(run_dir)
+    store = locate(run_dir).store
     assert sorted(store.ls("race/iter_000001/explore")) == sorted([MANIFEST, manifest.prefix])
 
 
