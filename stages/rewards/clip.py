@@ -66,33 +66,23 @@ class CLIPReward(Reward):
         return F.normalize(_projected(self.model.get_text_features(**tokens)).float(), dim=-1)
 
 
-#: transformers ``CLIPConfig`` sizes of the published backbones: OpenAI ViT-L/14 (CLIPScore, the aesthetic
-#: predictor) and LAION ViT-H/14 (PickScore's base).
+def _clip_sizes(text: tuple[int, int, int], vision: tuple[int, int, int], projection: int) -> dict[str, Any]:
+    """transformers ``CLIPConfig`` sizes from (width, layers, heads) of each tower (MLP 4 x width; 224 px images in
+    14 px patches) and the projection width."""
+
+    def tower(width: int, layers: int, heads: int) -> dict[str, int]:
+        return dict(hidden_size=width, intermediate_size=4 * width, num_hidden_layers=layers, num_attention_heads=heads)
+
+    return dict(
+        text=tower(*text), vision=tower(*vision) | dict(image_size=224, patch_size=14), projection_dim=projection
+    )
+
+
+#: The published backbones: OpenAI ViT-L/14 (CLIPScore, the aesthetic predictor) and LAION ViT-H/14 (PickScore's
+#: base); tests/test_rewards.py checks their parameter counts against the rewards' ``parameters``.
 PUBLISHED_CLIP = {
-    "vit-l-14": dict(
-        text=dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12),
-        vision=dict(
-            hidden_size=1024,
-            intermediate_size=4096,
-            num_hidden_layers=24,
-            num_attention_heads=16,
-            image_size=224,
-            patch_size=14,
-        ),
-        projection_dim=768,
-    ),
-    "vit-h-14": dict(
-        text=dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16),
-        vision=dict(
-            hidden_size=1280,
-            intermediate_size=5120,
-            num_hidden_layers=32,
-            num_attention_heads=16,
-            image_size=224,
-            patch_size=14,
-        ),
-        projection_dim=1024,
-    ),
+    "vit-l-14": _clip_sizes(text=(768, 12, 12), vision=(1024, 24, 16), projection=768),
+    "vit-h-14": _clip_sizes(text=(1024, 24, 16), vision=(1280, 32, 16), projection=1024),
 }
 
 
