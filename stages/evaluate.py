@@ -20,7 +20,7 @@ from solrl.stages.rewards.base import Scores
 from solrl.stages.sampling.compiled import compile_metrics
 from solrl.stages.sampling.rollout import generate
 from solrl.stages.sampling.samplers import derive_seed
-from solrl.stages.score import score_images
+from solrl.stages.score import score_images, with_columns
 from solrl.stages.sharding import WHOLE, Shard
 from solrl.storage.artifacts import EvalMetrics, EvalSamples, EvalScores, TrainedPolicy
 from solrl.storage.stage import StageOutput, read_manifest
@@ -140,11 +140,7 @@ def _per_sample(prompts: list[str], seeds: np.ndarray, scores: dict[str, Scores]
                 "value": scored.values.astype(np.float32),
             }
         )
-        for column, cells in scored.columns.items():
-            if column in frame.columns:
-                raise ValueError(f"reward {name}: its extra column {column!r} is one of the evaluation table's own")
-            frame[column] = pd.Series(cells, dtype=object)
-        frames.append(frame)
+        frames.append(with_columns(frame, name, scored, "evaluation table"))
     return EvalScores(pd.concat(frames, ignore_index=True))
 
 

@@ -113,12 +113,22 @@ def rewards_table(
                 "precision": pool.attrs["precision"],
             }
         )
-        for column, cells in scored.columns.items():
-            if column in frame.columns:
-                raise ValueError(f"reward {name}: its extra column {column!r} is one of the rewards table's own")
-            frame[column] = pd.Series(cells, dtype=object)
-        frames.append(frame)
+        frames.append(with_columns(frame, name, scored, "rewards table"))
     return pd.concat(frames, ignore_index=True)
+
+
+def with_columns(frame: pd.DataFrame, name: str, scored: Scores, table: str) -> pd.DataFrame:
+    """``frame`` (reward ``name``'s rows of ``table``) with the reward's extra columns ``scored.columns`` added,
+    one cell per row, kept as Python objects (a rationale's text).
+
+    Raises:
+        ValueError: an extra column has the name of one of the table's own.
+    """
+    for column, cells in scored.columns.items():
+        if column in frame.columns:
+            raise ValueError(f"reward {name}: its extra column {column!r} is one of the {table}'s own")
+        frame[column] = pd.Series(cells, dtype=object)
+    return frame
 
 
 def _reward_batches(ctx: StageContext, names: dict[str, float]) -> list[int]:

@@ -110,15 +110,11 @@ def qwen2_5_vl_processor(max_pixels: int = 112 * 112) -> tuple[Qwen2_5_VLProcess
     and the token ids a ``Qwen2_5_VLConfig`` needs: ``eos_token_id`` (``<|im_end|>``), ``pad_token_id``
     (``<|endoftext|>``), ``image_token_id``, ``video_token_id``, ``vision_start_token_id``,
     ``vision_end_token_id``."""
-    from tokenizers.pre_tokenizers import ByteLevel
     from transformers import Qwen2VLImageProcessor, Qwen2VLVideoProcessor
 
-    vocab = {c: i for i, c in enumerate(sorted(ByteLevel.alphabet()))}
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    specials += ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
-    for token in specials:
-        vocab[token] = len(vocab)
-    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[], additional_special_tokens=specials[1:], model_max_length=4096)
+    tokenizer = qwen_tokenizer()  # the vision tokens follow ChatML's
+    vision = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", *vision]})
     tokenizer.chat_template = QWEN_VL_CHAT_TEMPLATE
     pixels = {"min_pixels": 56 * 56, "max_pixels": max_pixels}
     processor = Qwen2_5_VLProcessor(
