@@ -35,7 +35,8 @@ from pathlib import Path
 import torch
 
 from solrl.config import RunConfig, list_presets, load_config
-from solrl.registry import EXPLORE_BACKENDS, MODELS
+from solrl.registry import EXPLORE_BACKENDS
+from solrl.stages.models import model_family
 from solrl.stages.models.adapter import ModelAdapter
 from solrl.stages.quant.availability import runnable_precisions, unavailable_reason
 from solrl.stages.sampling.compiled import compiled_blocks
@@ -43,8 +44,8 @@ from solrl.weights import published_presets
 
 
 def tiny_presets() -> list[str]:
-    """The shipped presets of the tiny twins (random-weight families built on CPU; tiny-digits is not one)."""
-    return [p for p in list_presets() if p.startswith("tiny-") and p != "tiny-digits"]
+    """The shipped presets of the tiny twins (``model.source: tiny``: random-weight families built on CPU)."""
+    return [p for p in list_presets() if load_config(p, plugins=False).model.source == "tiny"]
 
 
 def build(cfg: RunConfig, device: torch.device, dtype: torch.dtype) -> ModelAdapter:
@@ -53,7 +54,7 @@ def build(cfg: RunConfig, device: torch.device, dtype: torch.dtype) -> ModelAdap
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        adapter = MODELS.get(cfg.model.family).meta_adapter(cfg.model, dtype, device=str(device))[0]
+        adapter = model_family(cfg.model).meta_adapter(cfg.model, dtype, device=str(device))[0]
     finally:
         torch.set_default_dtype(default)
     adapter.transformer.eval().requires_grad_(False)

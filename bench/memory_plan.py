@@ -49,10 +49,10 @@ def footprint_at(cfg, blocks, device="meta"):
     import torch
     from peft import LoraConfig
 
-    from solrl.registry import MODELS
     from solrl.stages.memory import train_bytes
+    from solrl.stages.models import model_family
 
-    adapter = MODELS.get(cfg.model.family).meta_adapter(cfg.model, torch.bfloat16, blocks=blocks, device=device)[0]
+    adapter = model_family(cfg.model).meta_adapter(cfg.model, torch.bfloat16, blocks=blocks, device=device)[0]
     targets = adapter.lora_targets if isinstance(adapter.lora_targets, str) else list(adapter.lora_targets)
     adapter.transformer.add_adapter(
         LoraConfig(r=cfg.model.lora_rank, lora_alpha=cfg.model.lora_alpha, target_modules=targets), "policy"
@@ -64,9 +64,9 @@ def footprint_at(cfg, blocks, device="meta"):
 
 def depths(cfg):
     """The family's depth config keys and their published counts."""
-    from solrl.registry import MODELS
+    from solrl.stages.models import model_family
 
-    family = MODELS.get(cfg.model.family)
+    family = model_family(cfg.model)
     configs, _ = family.pipeline_configs(cfg.model)
     return {key: int(configs["transformer"]["config"][key]) for key in family.depth_keys}
 

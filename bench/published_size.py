@@ -120,9 +120,9 @@ def run_one(preset: str, blocks: int, extra: list[str]) -> dict:
 
     from solrl.config import load_config
     from solrl.flows.sol_rl import campaign
-    from solrl.registry import MODELS
     from solrl.stages.checkpoint import LORA_FOLDER
     from solrl.stages.context import _POLICIES, StageContext
+    from solrl.stages.models import model_family
     from solrl.stages.models.lora import LORA_WEIGHTS
     from solrl.stages.models.random_pipeline import write_random_embeddings, write_random_pipeline
     from solrl.storage.artifacts import CandidatePool, TrainedState, UpdateMetrics
@@ -141,7 +141,7 @@ def run_one(preset: str, blocks: int, extra: list[str]) -> dict:
         run = create_run(cfg, "published")
         ctx = StageContext(cfg, run.run_dir, run.run_id, 0)
         prompts, cache = ctx.prompt_embeddings()
-        family = MODELS.get(cfg.model.family)
+        family = model_family(cfg.model)
         meta, _, _ = family.meta_adapter(cfg.model, torch.bfloat16)
         write_random_embeddings(meta, prompts, cache)
         transformer_config = json.loads((weights / "transformer" / "config.json").read_text())

@@ -1,7 +1,8 @@
-"""The registered model families as the site shows them: one page per family, its tiny CPU twins on it.
+"""The registered model families as the site shows them: one page per family, with its tiny CPU twin.
 
-A twin is a registered class that names the family's class among its direct bases (``TinySana(TinyFamily,
-Sana)``). tiny-digits, the shipped CPU model, has its own hand-written page (``models/tiny-digits.md``).
+A family's tiny twin (``model.source: tiny``) is the class its module marks with ``tiny_twin``
+(``ModelAdapter.for_source``). tiny-digits, the shipped CPU model, has its own hand-written page
+(``models/tiny-digits.md``).
 """
 
 from __future__ import annotations
@@ -9,13 +10,13 @@ from __future__ import annotations
 from solrl.registry import MODELS
 
 
-def families() -> list[tuple[str, list[str], str]]:
-    """``(family, [tiny twins], adapter module)`` for every registered family, in registry (name) order."""
-    classes = {name: MODELS.get(name) for name in MODELS.names() if name != "tiny-digits"}
+def families() -> list[tuple[str, bool, str]]:
+    """``(family, whether it has a tiny twin, adapter module)`` for every registered family, in registry (name)
+    order."""
     out = []
-    for name, cls in classes.items():
-        if name.startswith("tiny-"):
+    for name in MODELS.names():
+        if name == "tiny-digits":
             continue
-        twins = [twin for twin, other in classes.items() if twin.startswith("tiny-") and cls in other.__bases__]
-        out.append((name, twins, cls.__module__))
+        cls = MODELS.get(name)
+        out.append((name, "_tiny_twin" in vars(cls), cls.__module__))
     return out

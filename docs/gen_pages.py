@@ -104,13 +104,15 @@ def cli_reference() -> str:
     return f"# Command line reference\n\n{intro}{title.replace('# ', '## ', 1)}\n{rest}"
 
 
-def family_page(family: str, twins: list[str], module: str, configs: list[RunConfig]) -> str:
-    presets = [cfg for cfg in configs if cfg.model.family in (family, *twins)]
+def family_page(family: str, twin: bool, module: str, configs: list[RunConfig]) -> str:
+    presets = [cfg for cfg in configs if cfg.model.family == family]
+    tiny = [cfg.name for cfg in presets if cfg.model.source == "tiny"]
     display = (importlib.import_module(module).__doc__ or family).split(" (")[0].strip()  # "SANA", "FLUX.2"
+    twin_line = "; `model.source: tiny` runs its tiny CPU twin" + (f" (preset `{'`, `'.join(tiny)}`)" if tiny else "")
     out = [
         f"# {display} (`{family}`)",
         "",
-        f"`model.family: {family}`" + (f"; its tiny CPU twin: `{'`, `'.join(twins)}`." if twins else "."),
+        f"`model.family: {family}`" + (twin_line if twin else "") + ".",
         "",
         "## Presets",
         "",
@@ -153,9 +155,9 @@ with mkdocs_gen_files.open("reference/cli.md", "w") as f:
 mkdocs_gen_files.set_edit_path("reference/cli.md", "../solrl/cli.py")
 
 shipped = [load_config(preset) for preset in list_presets()]  # read once, for every family's page
-for family, twins, module in families():
+for family, twin, module in families():
     with mkdocs_gen_files.open(f"models/families/{family}.md", "w") as f:
-        f.write(family_page(family, twins, module, shipped))
+        f.write(family_page(family, twin, module, shipped))
 
 for path in sorted((REPO / "bench" / "results").rglob("*")):
     if path.suffix in (".md", ".png", ".csv", ".json") and path.is_file():

@@ -79,6 +79,12 @@ class ModelConfig(_Section):
         description="Diffusers-format weights folder (or a hub id where the user is online and has the weights); "
         "null = the family's default (shipped with solrl, built on first use in the solrl cache, or its hub id).",
     )
+    source: Literal["weights", "tiny"] = Field(
+        "weights",
+        description="weights = the family's weights (model.path, or its default); tiny = the family's tiny twin: its "
+        "own diffusers classes at tiny widths with random weights, built on first use in the solrl cache (or at "
+        "model.path), which runs the whole flow on a CPU in minutes: the plumbing, not learning (docs: Models).",
+    )
     resolution: int | None = Field(
         None, ge=8, description="Image height and width in pixels; null = the family's default."
     )
@@ -620,7 +626,7 @@ class RunConfig(_Section):
             return self
         from solrl.registry import EXPLORE_BACKENDS, LOSSES, MODELS, REWARDS
 
-        _registered(MODELS, self.model.family, "model.family").validate_config(self)
+        _registered(MODELS, self.model.family, "model.family").for_source(self.model.source).validate_config(self)
         _registered(EXPLORE_BACKENDS, self.explore.precision, "explore.precision")
         _registered(LOSSES, self.train.loss, "train.loss").validate_config(self)
         rewards = self.reward
@@ -719,12 +725,20 @@ LAYOUT_FIELDS = (
 )
 
 
+#: Fields added after runs were recorded, with the value that reproduces those runs: at that value a field is left
+#: out of the config hash, so a config that does not use it keeps the hash it had before the field existed.
+UNHASHED_DEFAULTS = {("model", "source"): "weights"}
+
+
 def config_digest(data: dict[str, Any]) -> str:
-    """sha256 of a config mapping's canonical JSON, ``base_dir`` and ``LAYOUT_FIELDS`` excluded
-    (``RunConfig.digest`` of a dump)."""
+    """sha256 of a config mapping's canonical JSON, ``base_dir`` and ``LAYOUT_FIELDS`` excluded, and each of
+    ``UNHASHED_DEFAULTS`` at its value (``RunConfig.digest`` of a dump)."""
     payload = {k: v for k, v in data.items() if k != "base_dir"}
     for section, key in LAYOUT_FIELDS:
         if isinstance(payload.get(section), dict):
+            payload[section] = {k: v for k, v in payload[section].items() if k != key}
+    for (section, key), value in UNHASHED_DEFAULTS.items():
+        if isinstance(payload.get(section), dict) and payload[section].get(key, value) == value:
             payload[section] = {k: v for k, v in payload[section].items() if k != key}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 

@@ -93,7 +93,7 @@ def published_weights(family: str, path: str | None) -> PublishedWeights | None:
     """The published checkpoint ``model.path`` names, as the family's adapter declares it (``hub_id``,
     ``weights_hint``, ``published_variants``), read without importing the adapter (``Registry.declared``): a
     variant whose hub id is the path, or whose repository name is the path's last folder (a local copy); else the
-    family's own ``hub_id``; None for a family that declares none (a tiny twin, tiny-digits).
+    family's own ``hub_id``; None for a family that declares none (tiny-digits).
 
     An unregistered family has none here: the config's validation names it.
     """
@@ -112,12 +112,12 @@ def published_weights(family: str, path: str | None) -> PublishedWeights | None:
 
 def check_published_weights(model: ModelConfig) -> None:
     """The weights check of a published family (``published_weights``), before anything imports torch; nothing
-    for other families (their adapter checks after its import).
+    for a tiny twin (``model.source: tiny``) or other families (their adapter checks after its import).
 
     Raises:
         ConfigError: as ``PublishedWeights.check``.
     """
-    published = published_weights(model.family, model.path)
+    published = None if model.source == "tiny" else published_weights(model.family, model.path)
     if published is not None:
         published.check(model.family, model.path)
 
@@ -127,4 +127,7 @@ def published_presets() -> list[str]:
     what the benchmarks at published size iterate, so a new family's preset is picked up without an edit there."""
     from solrl.config import list_presets, load_config
 
-    return [name for name in list_presets() if published_weights(load_config(name, plugins=False).model.family, None)]
+    models = {name: load_config(name, plugins=False).model for name in list_presets()}
+    return [
+        name for name, model in models.items() if model.source == "weights" and published_weights(model.family, None)
+    ]

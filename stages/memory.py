@@ -300,10 +300,11 @@ def measure(
     """
     from peft import LoraConfig
 
-    from solrl.registry import EXPLORE_BACKENDS, MODELS
+    from solrl.registry import EXPLORE_BACKENDS
+    from solrl.stages.models import model_family
     from solrl.stages.quant import eligible_layers
 
-    family = MODELS.get(cfg.model.family)
+    family = model_family(cfg.model)
     adapter, source, text_encoders = family.meta_adapter(cfg.model, weights_dtype, blocks=blocks)
     net = adapter.transformer
     base = module_bytes(net)
@@ -651,9 +652,9 @@ def device_memory(cfg: Any) -> tuple[int | None, str]:
 def _cache_key(cfg: Any, dtype: torch.dtype) -> str:
     import hashlib
 
-    from solrl.registry import MODELS
+    from solrl.stages.models import model_family
 
-    family = MODELS.get(cfg.model.family)
+    family = model_family(cfg.model)
     try:
         config = family.weights_dir(cfg.model) / "transformer" / "config.json"
         stamp = config.stat().st_mtime_ns if config.is_file() else 0

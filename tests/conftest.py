@@ -33,7 +33,7 @@ import fault_injection  # noqa: E402, F401  (its commit hook, in this process an
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from solrl.config import RunConfig, load_config  # noqa: E402
+from solrl.config import RunConfig, list_presets, load_config  # noqa: E402
 
 torch.set_num_threads(1 if XDIST else min(2, torch.get_num_threads()))
 
@@ -61,6 +61,11 @@ CHILD_PRELOAD = [
     "diffusers.schedulers.scheduling_flow_match_euler_discrete",
     "peft",
 ]
+
+
+#: Every shipped tiny twin's preset (``model.source: tiny``): a new family's is picked up by the family, export,
+#: memory and published-size tests without an edit there.
+TINY_TWINS = [name for name in list_presets() if load_config(name, plugins=False).model.source == "tiny"]
 
 
 def tiny_config(root: Path, *extra: str) -> RunConfig:

@@ -49,11 +49,15 @@ def test_config_is_frozen_and_hash_changes_with_values():
         (["model.family=sdxl"], r"model.family: unknown model family 'sdxl'; registered: .*tiny-digits"),
         (["train.loss=dpo"], r"train.loss: unknown loss 'dpo'; registered: flow_grpo, nft"),
         (
-            ["model.family=tiny-sana", "model.resolution=33"],
+            ["model.family=sana", "model.source=tiny", "model.resolution=33"],
             r"model.resolution=33 must be a multiple of 2 for tiny-sana",
         ),
         (["model.family=sana", "model.resolution=1000"], r"model.resolution=1000 must be a multiple of 32 for sana"),
-        (["model.family=tiny-flux", "model.max_sequence_length=100000"], r"exceeds the 512 tokens tiny-flux's text"),
+        (
+            ["model.family=flux", "model.source=tiny", "model.max_sequence_length=100000"],
+            r"exceeds the 512 tokens tiny-flux's text",
+        ),
+        (["model.source=tiny"], r"model.source=tiny: model family tiny-digits has no tiny twin; set model.source=weig"),
         (["explore.pool_sise=8"], r"explore.pool_sise: unknown key; known keys here: precision, steps, pool_size,"),
         (["bogus.key=1"], r"bogus: unknown key; known keys here: name, model, explore, select,"),
         (["explore.steps=0"], r"explore.steps: Input should be greater than or equal to 1"),
@@ -220,7 +224,7 @@ def test_registries_list_and_declare_the_builtin_plugins_without_importing_them(
         "from solrl.weights import published_weights\n"
         "names = [len(r.names()) for r in (MODELS, REWARDS, EXPLORE_BACKENDS, LOSSES)]\n"
         "hub = published_weights('sd3', '/w/stable-diffusion-3.5-medium').hub_id\n"
-        "print(names, hub, published_weights('tiny-sd3', None), 'torch' in sys.modules,\n"
+        "print(names, hub, published_weights('tiny-digits', None), 'torch' in sys.modules,\n"
         "      sorted(m for m in sys.modules if m.startswith('solrl.stages.')))\n"
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.split()
@@ -375,6 +379,22 @@ def test_a_preset_that_extends_another_is_its_flat_copy_with_the_same_hash(tmp_p
     assert child.model_dump() == flat.model_dump() and child.digest() == flat.digest()
     overridden = load_config(tmp_path / "child.yaml", ["explore.steps=5"])
     assert overridden.explore.steps == 5 and overridden.explore.pool_size == 16  # --set applies after extends
+
+
+def test_a_tiny_twin_is_its_family_with_the_tiny_source_and_weights_keep_the_hash_they_had_before_the_field():
+    """Issue 37: a tiny preset is its family with ``model.source: tiny``; ``model.source: weights`` is left out of
+    the config hash (``UNHASHED_DEFAULTS``), so every config recorded before the field existed keeps its hash."""
+    from solrl.config import config_digest
+    from solrl.stages.models import model_family
+
+    tiny, published = load_config("tiny-sd3"), load_config("sd35-medium")
+    assert (tiny.model.family, tiny.model.source) == ("sd3", "tiny") and published.model.source == "weights"
+    assert model_family(tiny.model).name == "tiny-sd3" and model_family(published.model).name == "sd3"
+    assert issubclass(model_family(tiny.model), model_family(published.model))
+    before = published.model_dump(mode="json")
+    del before["model"]["source"]  # as a run recorded before model.source existed stored it
+    assert config_digest(before) == published.digest()
+    assert load_config("sd35-medium", ["model.source=tiny"]).digest() != published.digest()
 
 
 def test_a_user_preset_extends_a_shipped_one_by_name(tmp_path: Path):

@@ -12,19 +12,18 @@ from pathlib import Path
 import diffusers
 import pytest
 import torch
-from conftest import trained_policy
+from conftest import TINY_TWINS, trained_policy
 from typer.testing import CliRunner
 
 from solrl.cli import app
 from solrl.config import load_config
-from solrl.registry import MODELS
 from solrl.stages.models import load_model, model_family
 from solrl.stages.models.lora import LORA_WEIGHTS, save_diffusers_lora
 from solrl.stages.sampling.rollout import generate
 from solrl.stages.sampling.samplers import initial_noise
 
-#: Every registered family's tiny twin: a new family's twin is picked up here without an edit.
-FAMILIES = [name for name in MODELS.names() if name.startswith("tiny-") and name != "tiny-digits"]
+#: Every tiny twin's preset: a new family's twin is picked up here without an edit.
+FAMILIES = TINY_TWINS
 
 
 def _config(family: str, root: Path, *extra: str):
@@ -114,7 +113,7 @@ def test_two_iteration_campaign_through_the_prefect_flow_with_nvfp4_explore(tmp_
     # Its checkpoint committed, the pool keeps every candidate's latents, not its images (storage.pool=latents).
     assert pool.images is None and pool.latents.shape == (2, 8, *samples.latents.shape[2:])
     checkpoint = Checkpoint.load(run.run_dir, 2)
-    assert checkpoint.state["model_family"] == family and checkpoint.state["global_step"] == 2
+    assert checkpoint.state["model_family"] == cfg.model.family and checkpoint.state["global_step"] == 2
     transformer = getattr(diffusers, checkpoint.state["architecture"]["transformer"]["_class_name"])
     assert issubclass(transformer, diffusers.ModelMixin)  # the family's diffusers transformer, recorded
     assert (stage_dir(run.run_dir, 2, "checkpoint") / "lora" / LORA_WEIGHTS).exists()
@@ -309,6 +308,6 @@ def test_the_gpu_benchmark_script_runs_every_family_at_smoke_size(tmp_path: Path
     done = subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     tables = (tmp_path / "gpu_explore.md").read_text()
-    for family in FAMILIES:
-        assert f"({family}, smoke" in tables
+    for preset in FAMILIES:
+        assert f"{preset} ({load_config(preset, plugins=False).model.family}, smoke" in tables
     assert "failed" not in tables

@@ -9,10 +9,9 @@ import sys
 
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import TINY_TWINS, tiny_config
 
 from solrl.config import load_config
-from solrl.registry import MODELS
 from solrl.stages.memory import (
     DEVICE_MEMORY_ENV,
     MemoryPlanError,
@@ -21,11 +20,11 @@ from solrl.stages.memory import (
     measure,
     train_bytes,
 )
-from solrl.stages.models import load_model
+from solrl.stages.models import load_model, model_family
 
 SOLRL = [sys.executable, "-m", "solrl.cli"]
-#: Every registered family's tiny twin (a new family is planned here without an edit).
-TINY_FAMILIES = [name for name in MODELS.names() if name.startswith("tiny-") and name != "tiny-digits"]
+#: Every tiny twin's preset (a new family is planned here without an edit).
+TINY_FAMILIES = TINY_TWINS
 
 
 def _with_lora(adapter):
@@ -43,7 +42,7 @@ def test_the_planned_conditioning_is_what_the_text_encoders_give(preset):
     """The plan measures with ``conditioning_like``: the keys, shapes and dtypes of the family's own ``_encode``."""
     cfg = load_config(preset, ["model.device=cpu"])
     real = load_model(cfg.model, torch.device("cpu"))._encode(["a photo of a cat"])
-    meta, _, _ = MODELS.get(cfg.model.family).meta_adapter(cfg.model, torch.float32)
+    meta, _, _ = model_family(cfg.model).meta_adapter(cfg.model, torch.float32)
     like = meta.conditioning_like(1)
     assert {k: (tuple(v.shape), v.dtype) for k, v in like.items()} == {
         k: (tuple(v.shape), v.dtype) for k, v in real.items()
@@ -56,7 +55,7 @@ def test_meta_counts_of_saved_activations_agree_with_a_real_cpu_backward(preset)
     """Saved-for-backward and peak activation bytes counted on the meta device agree with those of real float32
     tensors on CPU under the same fused-attention accounting, with and without gradient checkpointing."""
     cfg = load_config(preset, ["model.device=cpu"])
-    meta = _with_lora(MODELS.get(cfg.model.family).meta_adapter(cfg.model, torch.float32)[0])
+    meta = _with_lora(model_family(cfg.model).meta_adapter(cfg.model, torch.float32)[0])
     real = _with_lora(load_model(cfg.model, torch.device("cpu"), text_encoders=False))
     for batch, checkpointed in ((1, False), (2, False), (2, True)):
         (meta_peak, meta_saved), (real_peak, real_saved) = (train_bytes(a, batch, checkpointed) for a in (meta, real))

@@ -139,6 +139,22 @@ class ModelAdapter:
             )
 
     @classmethod
+    def for_source(cls, source: str) -> type[ModelAdapter]:
+        """The adapter class of ``model.source``: this family for ``weights``; for ``tiny``, its tiny twin (the
+        family's own classes at tiny widths with random weights, built on first use; a subclass marked with
+        ``tiny_twin`` beside the family's class).
+
+        Raises:
+            ValueError: ``source`` is ``tiny`` and the family has no tiny twin.
+        """
+        if source != "tiny":
+            return cls
+        twin = vars(cls).get("_tiny_twin")
+        if twin is None:
+            raise ValueError(f"model.source=tiny: model family {cls.name} has no tiny twin; set model.source=weights")
+        return twin
+
+    @classmethod
     def weights_dir(cls, cfg: ModelConfig) -> Path:
         """The weights folder ``model.path`` names (expanded)."""
         if cfg.path is None:
@@ -309,8 +325,35 @@ def select_rows(cond: Conditioning, index: slice | torch.Tensor) -> Conditioning
 
 
 def model_family(cfg: ModelConfig) -> type[ModelAdapter]:
-    """The registered adapter class of ``cfg.family``. Raises ValueError for an unknown family."""
-    return MODELS.get(cfg.family)
+    """The adapter class of ``cfg.family`` from ``cfg.source``: the registered family, or its tiny twin
+    (``ModelAdapter.for_source``).
+
+    Raises:
+        ValueError: an unknown family, or ``source=tiny`` for a family without a tiny twin.
+    """
+    return MODELS.get(cfg.family).for_source(cfg.source)
+
+
+def tiny_twin(twin: type[ModelAdapter]) -> type[ModelAdapter]:
+    """Class decorator: ``twin`` is the tiny twin (``model.source: tiny``) of the nearest of its bases that is not a
+    tiny twin itself (``TinySD3(TinyFamily, SD3)`` is ``sd3``'s). Returns ``twin``.
+
+    Raises:
+        TypeError: no base of ``twin`` is a model family.
+    """
+    family = next(
+        (
+            base
+            for base in twin.__mro__[1:]
+            if issubclass(base, ModelAdapter) and base is not ModelAdapter and "_twin_of" not in vars(base)
+        ),
+        None,
+    )
+    if family is None:
+        raise TypeError(f"{twin.__name__} has no model family among its bases to be the tiny twin of")
+    family._tiny_twin = twin  # type: ignore[attr-defined]
+    twin._twin_of = family  # type: ignore[attr-defined]
+    return twin
 
 
 def load_model(cfg: ModelConfig, device: torch.device, *, text_encoders: bool = True) -> ModelAdapter:

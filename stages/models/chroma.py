@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from solrl.registry import register_model
-from solrl.stages.models.adapter import Conditioning
+from solrl.stages.models.adapter import Conditioning, tiny_twin
 from solrl.stages.models.flux import Flux, TinyFlux
 
 
@@ -89,7 +89,7 @@ class Chroma(Flux):
         return super().stock_call(pipe, None, latents, steps, prompt_embeds=emb, prompt_attention_mask=mask.bool())
 
 
-@register_model("tiny-chroma")
+@tiny_twin
 @dataclass
 class TinyChroma(TinyFlux, Chroma):
     """A tiny random Chroma of the real classes (tiny-flux's widths and tiny components, a 1-layer modulation

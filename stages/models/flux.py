@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from solrl.registry import register_model
-from solrl.stages.models.adapter import Conditioning
+from solrl.stages.models.adapter import Conditioning, tiny_twin
 from solrl.stages.models.diffusers_family import DiffusersFamily, TinyFamily
 
 
@@ -100,7 +100,7 @@ class Flux(DiffusersFamily):
         return type(pipe)._unpack_latents(out, h * factor, w * factor, factor)
 
 
-@register_model("tiny-flux")
+@tiny_twin
 @dataclass
 class TinyFlux(TinyFamily, Flux):
     """A tiny random FLUX.1-dev of the real classes (1 double + 1 single block, guidance embedding, 32 px): the

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from solrl.registry import register_model
-from solrl.stages.models.adapter import Conditioning
+from solrl.stages.models.adapter import Conditioning, tiny_twin
 from solrl.stages.models.diffusers_family import DiffusersFamily, TinyFamily
 
 _DOUBLE = r"attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)|ff(_context)?\.linear_(in|out)"
@@ -170,7 +170,7 @@ class Flux2Klein(DiffusersFamily):
         return self.stock_call(pipe, prompt, noise, steps, text_encoder_out_layers=self.text_encoder_out_layers).images
 
 
-@register_model("tiny-flux2")
+@tiny_twin
 @dataclass
 class TinyFlux2(TinyFamily, Flux2Klein):
     """A tiny random FLUX.2-klein of the real classes (1 double + 1 single block, 32 px, a 3-layer Qwen3): the
@@ -240,7 +240,7 @@ class Flux2(Flux2Klein):
         return self._stock_out(pipe, prompt, noise, steps).permute(0, 2, 1).reshape(noise.shape)
 
 
-@register_model("tiny-flux2-dev")
+@tiny_twin
 @dataclass
 class TinyFlux2Dev(TinyFamily, Flux2):
     """A tiny random FLUX.2-dev of the real classes (1 double + 1 single block with the guidance embedding, 32 px,

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from solrl.registry import register_model
-from solrl.stages.models.adapter import Conditioning
+from solrl.stages.models.adapter import Conditioning, tiny_twin
 from solrl.stages.models.diffusers_family import DiffusersFamily, TinyFamily, decode_wan_vae
 
 
@@ -132,7 +132,7 @@ class QwenImage(DiffusersFamily):
         return type(pipe)._unpack_latents(out, h * factor, w * factor, factor).squeeze(2)
 
 
-@register_model("tiny-qwen-image")
+@tiny_twin
 @dataclass
 class TinyQwenImage(TinyFamily, QwenImage):
     """A tiny random Qwen-Image of the real classes (2 blocks, 32 px, a 2-layer Qwen2.5-VL, a 4-channel video

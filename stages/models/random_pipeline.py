@@ -24,26 +24,20 @@ import torch
 from safetensors.torch import save_file
 
 from solrl.config import ModelConfig
-from solrl.stages.models.diffusers_family import DiffusersFamily, TinyFamily, build_once, quiet_diffusers
+from solrl.stages.models.diffusers_family import DiffusersFamily, build_once, quiet_diffusers
 
 
 def tiny_counterpart(family: type[DiffusersFamily]) -> type[DiffusersFamily]:
-    """The registered tiny family built from ``family``'s classes (``flux`` -> ``tiny-flux``; ``flux2`` ->
-    ``tiny-flux2-dev``): the tiny subclass nearest to it.
+    """The tiny twin of ``family`` or, failing that, of its nearest base that has one (``flux`` -> ``tiny-flux``;
+    a family subclassing ``Flux`` without a twin of its own -> ``tiny-flux``).
 
     Raises:
-        ValueError: no tiny family subclasses ``family``.
+        ValueError: neither ``family`` nor any of its bases has a tiny twin.
     """
-    from solrl.registry import MODELS
-
-    tiny = [
-        entry
-        for entry in (MODELS.get(n) for n in MODELS.names())
-        if isinstance(entry, type) and issubclass(entry, TinyFamily) and issubclass(entry, family)
-    ]
-    if not tiny:
-        raise ValueError(f"model.family={family.name}: no tiny family of its classes to take tokenizers from")
-    return min(tiny, key=lambda entry: entry.__mro__.index(family))
+    for cls in family.__mro__:
+        if "_tiny_twin" in vars(cls):
+            return vars(cls)["_tiny_twin"]
+    raise ValueError(f"model.family={family.name}: no tiny twin of its classes to take tokenizers from")
 
 
 def cut_transformer_config(family: type[DiffusersFamily], config: dict[str, Any], blocks: int) -> dict[str, Any]:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from solrl.registry import register_model
-from solrl.stages.models.adapter import Conditioning
+from solrl.stages.models.adapter import Conditioning, tiny_twin
 from solrl.stages.models.diffusers_family import DiffusersFamily, TinyFamily
 
 
@@ -84,7 +84,7 @@ class Sana(DiffusersFamily):
     stock_call_kwargs: ClassVar[dict[str, Any]] = {"guidance_scale": 1.0, "use_resolution_binning": False}
 
 
-@register_model("tiny-sana")
+@tiny_twin
 @dataclass
 class TinySana(TinyFamily, Sana):
     """A tiny random SANA of the real classes (2 layers, 32 px, 4-channel DC-AE, 2-layer Gemma-2): the plumbing

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from solrl.registry import register_model
-from solrl.stages.models.adapter import Conditioning
+from solrl.stages.models.adapter import Conditioning, tiny_twin
 from solrl.stages.models.diffusers_family import DiffusersFamily, TinyFamily
 
 
@@ -102,7 +102,7 @@ class SD3(DiffusersFamily):
         )[0]
 
 
-@register_model("tiny-sd3")
+@tiny_twin
 @dataclass
 class TinySD3(TinyFamily, SD3):
     """A tiny random SD3.5 of the real classes (2 blocks, one dual-attention, 32 px): the plumbing on CPU, not

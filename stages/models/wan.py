@@ -27,7 +27,7 @@ from torch import nn
 
 from solrl.config import ConfigError, ModelConfig, RunConfig
 from solrl.registry import register_model
-from solrl.stages.models.adapter import Conditioning
+from solrl.stages.models.adapter import Conditioning, tiny_twin
 from solrl.stages.models.diffusers_family import DiffusersFamily, TinyFamily, decode_wan_vae
 
 
@@ -157,7 +157,7 @@ class Wan(DiffusersFamily):
         return self.stock_call(pipe, prompt, noise, steps, num_frames=self.frames).frames
 
 
-@register_model("tiny-wan")
+@tiny_twin
 @dataclass
 class TinyWan(TinyFamily, Wan):
     """A tiny random Wan2.1 of the real classes (2 blocks, 32 px, 5 frames, a 2-layer UMT5): the plumbing on CPU,

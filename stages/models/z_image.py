@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from solrl.registry import register_model
-from solrl.stages.models.adapter import Conditioning
+from solrl.stages.models.adapter import Conditioning, tiny_twin
 from solrl.stages.models.diffusers_family import DiffusersFamily, TinyFamily
 
 
@@ -113,7 +113,7 @@ class ZImage(DiffusersFamily):
     stock_call_kwargs: ClassVar[dict[str, Any]] = {"guidance_scale": 0.0}
 
 
-@register_model("tiny-z-image")
+@tiny_twin
 @dataclass
 class TinyZImage(TinyFamily, ZImage):
     """A tiny random Z-Image of the real classes (1 refiner and 1 main block, 32 px, a 2-layer Qwen3): the
