@@ -140,10 +140,8 @@ def main() -> None:
         s3_rows, run_dir = run_iteration("s3://bench/runs", counter)
         plan = [(row[0], row[1]) for row in s3_rows[1:]]
         os.environ["SOLRL_CACHE"] = tempfile.mkdtemp(prefix="solrl-bench-node2-")  # a second machine
-        from solrl.storage import mirror
         from solrl.storage.runs import open_run
 
-        mirror._mirrored_store.cache_clear()
         other = open_run("s3://bench/runs", "bench").run_dir
         first = read_back(other, plan, counter)
         second = read_back(other, plan, counter)

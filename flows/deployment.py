@@ -59,7 +59,7 @@ def sol_rl(
     extra = [*base_overrides, *overrides, *([f"campaign.iterations={iterations}"] if iterations else [])]
     cfg = load_config(config, [*extra, *([f"storage.root={store}"] if store else [])])
     store_ = open_store(cfg.storage.root)
-    root = store_.root if store_.local else store_.uri
+    root = store_.address
     run_id = run_id or f"{cfg.name}-{str(flow_run.get_id())[:8]}"
     if store_.exists(f"{run_id}/{RUN_FILE}"):
         ignored = changed_by(open_run(root, run_id).config, extra)

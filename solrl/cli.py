@@ -294,7 +294,7 @@ def run(
             store = open_store(cfg.storage.root)
             store.check(write=True)  # an object store that cannot be used: one line, nothing written anywhere
             _start_prefect_early()  # after the checks: bad input exits at once, with no server to stop
-            made += [run_id, store.root if store.local else store.uri]  # the hint, once run.json exists
+            made += [run_id, store.address]  # the hint, once run.json exists
             created = create_run(cfg, run_id, weights=model_family(cfg.model).weights_fingerprint(cfg.model))
         except ConfigError as exc:
             _fail(str(exc))

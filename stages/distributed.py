@@ -65,7 +65,7 @@ def _launch_torchrun(ctx: StageContext, out: Path) -> StageOutput:
         f"--nproc-per-node={nproc}",
         "-m",
         "solrl.stages.distributed",
-        str(ctx.run_dir.parent),
+        ctx.place.store.address,  # the store itself: a mirrored run's folder is only this machine's copy
         ctx.run_id,
         str(ctx.iteration),
         str(out),
@@ -106,8 +106,7 @@ def _launch_ray(ctx: StageContext, out: Path) -> StageOutput:
     from solrl.stages.cluster import ray_session
 
     workers, cuda = ctx.cfg.train.workers, ctx.device.type == "cuda"
-    run_on = ctx.place.store
-    store = run_on.root if run_on.local else run_on.uri  # what every worker's open_run takes
+    store = ctx.place.store.address  # what every worker's open_run takes
     with ray_session(ctx.cfg, workers), tempfile.TemporaryDirectory(prefix="solrl-ray-train-") as storage:
         trainer = TorchTrainer(
             _ray_worker,

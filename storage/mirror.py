@@ -8,22 +8,25 @@ store stays the truth: every manifest and ``run.json`` is read from it, every co
 checked against its manifest's sha256 before it is used. Deleting a mirror loses nothing.
 
 Where a run lives is one object, its ``RunPlace``: the store that holds it, its key there, the folder this machine
-works in, and the commit guard of the process holding its lease. ``run_folder`` records the place of every run it
-opens; a process handed only a folder (a shard task, a torchrun worker) finds it once from the mirror's root,
-which holds ``.store.json`` naming the store, and ``locate`` keeps it.
+works in, and the lease of the process holding the run. ``run_folder`` records the place of every run this process
+opens (``solrl.storage.runs.open_run``, ``create_run``), and everything after it looks the place up by the folder
+(``locate``). Another process is handed the store and the run id (a shard task, a torchrun or Ray Train worker),
+never a folder, and opens the run itself: no code finds out again where a run lives.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from solrl.storage.store import Store
+
+if TYPE_CHECKING:
+    from solrl.storage.lease import Lease
 
 STORE_MARKER = ".store.json"
 
@@ -36,19 +39,28 @@ def cache_root() -> Path:
 @dataclass
 class RunPlace:
     """Where a run lives: ``store`` holds it under ``key`` (the truth), and this machine reads and writes it in
-    ``folder`` (the run's own folder in a local store, its mirror for an object store). ``guard`` is called before
-    each commit of the run's stages while this process holds its lease (``solrl.storage.runs.run_lock``); it
-    raises ``LeaseLost`` once the lease was taken over."""
+    ``folder`` (the run's own folder in a local store, its mirror for an object store). ``lease`` is the run's
+    lease while this process holds it (``solrl.storage.runs.run_lock``), checked before each commit of the run's
+    stages (``check_lease``)."""
 
     folder: Path
     store: Store
     key: str
-    guard: Callable[[], None] | None = None
+    lease: Lease | None = None
 
     @property
     def mirrored(self) -> bool:
         """Whether the run is on an object store, worked on through a mirror here."""
         return not self.store.local
+
+    def check_lease(self) -> None:
+        """Before a commit: nothing unless this process holds the run's lease (``run_lock``).
+
+        Raises:
+            LeaseLost: the lease this process held was taken over (``solrl.storage.lease.Lease.check``).
+        """
+        if self.lease is not None:
+            self.lease.check()
 
 
 #: The place of every run folder this process opened or was handed (``locate``), by its folder.
@@ -80,23 +92,23 @@ def run_folder(store: Store, run_id: str) -> Path:
 
 
 def locate(run_dir: Path) -> RunPlace:
-    """The place of run folder ``run_dir``: as ``run_folder`` recorded it, else found once from the folder (a
-    mirror's root names its object store; any other folder is a run of the local store that holds it)."""
+    """The place of run folder ``run_dir``, as ``run_folder`` recorded it when this process opened the run; a folder
+    of a local store that this process did not open is a run of that store (its parent folder).
+
+    Raises:
+        ValueError: ``run_dir`` is an object store run's mirror that this process did not open: its files are only
+            this machine's copies, and the run is opened from its store (``open_run(store, run_id)``).
+    """
     key = str(run_dir)
     if key not in _PLACES:
         folder = Path(run_dir)
-        store = _mirrored_store(str(folder.parent)) or Store.open(folder.parent)
-        _PLACES[key] = RunPlace(folder, store, folder.name)
+        if (folder.parent / STORE_MARKER).exists():
+            raise ValueError(
+                f"{folder} is a mirror of an object store's run, not a run store: open the run from its store "
+                f"(open_run(store, {folder.name!r}))"
+            )
+        _PLACES[key] = RunPlace(folder, Store.open(folder.parent), folder.name)
     return _PLACES[key]
-
-
-@functools.lru_cache(maxsize=64)
-def _mirrored_store(parent: str) -> Store | None:
-    try:
-        uri = json.loads((Path(parent) / STORE_MARKER).read_text())["uri"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return Store.open(uri)
 
 
 def publish_folder(run_dir: Path, relative: str) -> None:

@@ -42,7 +42,7 @@ class Run:
 
     @property
     def place(self) -> RunPlace:
-        """Where the run lives: its store, key, this machine's folder and, while a lock holds it, the commit guard."""
+        """Where the run lives: its store, key, this machine's folder and, while a lock holds it, its lease."""
         return locate(self.run_dir)
 
 
@@ -53,10 +53,6 @@ def open_store(root: str | Path) -> Store:
         ConfigError: (``StoreError``) a URI that cannot name a store.
     """
     return Store.open(root)
-
-
-def _store_arg(store: Store) -> str:
-    return store.root if store.local else store.uri
 
 
 def _write_run_file(store: Store, run_dir: Path, data: dict, *, create: bool, tag: str | None = None) -> None:
@@ -103,7 +99,7 @@ def create_run(cfg: RunConfig, run_id: str | None = None, weights: dict[str, str
     """
     run_id = check_run_id(run_id or new_run_id(cfg.name))
     store = open_store(cfg.storage.root)
-    where = _store_arg(store)
+    where = store.address
     store.check(write=True)  # an object store that cannot be used fails here, in one line, with nothing written
     if store.exists(f"{run_id}/{RUN_FILE}"):
         raise ConfigError(
@@ -151,7 +147,7 @@ def open_run(root: str | Path, run_id: str) -> Run:
     except FileNotFoundError:
         store.check(write=False)  # no such run, or a store that cannot be reached at all
         known = ", ".join(r["run_id"] for r in list_runs(root)[-5:]) or "none"
-        raise ConfigError(f"no run {run_id!r} in {_store_arg(store)} (recent: {known}); see `solrl ls`") from None
+        raise ConfigError(f"no run {run_id!r} in {store.address} (recent: {known}); see `solrl ls`") from None
     except (OSError, ValueError) as exc:
         if not (store.local or isinstance(exc, ValueError)):
             raise StoreError(store.explain(exc)) from None
@@ -169,7 +165,7 @@ def open_run(root: str | Path, run_id: str) -> Run:
         if not (run_dir / RUN_FILE).is_file() or (run_dir / RUN_FILE).read_bytes() != raw:
             write_json_atomic(run_dir / RUN_FILE, data)
     weights = data.get("weights")
-    return Run(run_id, run_dir, cfg, data["config_hash"], data.get("prompts_sha256"), weights, _store_arg(store))
+    return Run(run_id, run_dir, cfg, data["config_hash"], data.get("prompts_sha256"), weights, store.address)
 
 
 def set_shards(root: str | Path, run_id: str, shards: int) -> None:
@@ -259,11 +255,11 @@ def run_lock(run_dir: Path, ttl: float = DEFAULT_TTL) -> Iterator[None]:
         raise ConfigError(
             f"run {run_dir.name!r} is being written by another process ({exc}); wait for it or stop it (a lease "
             f"whose holder died elsewhere runs out by itself), then `solrl resume {run_dir.name} --store "
-            f"{_store_arg(store)}`"
+            f"{store.address}`"
         ) from None
-    place.guard = lease.check
+    place.lease = lease
     try:
         yield
     finally:
-        place.guard = None
+        place.lease = None
         lease.release()

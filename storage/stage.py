@@ -465,7 +465,7 @@ def commit(
     ``prior_seconds`` (a sharded stage's shards).
 
     Raises:
-        LeaseLost: (from the run's ``RunPlace.guard``, set while ``run_lock`` holds its lease) this process no
+        LeaseLost: (``RunPlace.check_lease``, while ``run_lock`` holds the run's lease) this process no
             longer holds the run, which another process took over after this one stalled; nothing is replaced.
     """
     global _committing
@@ -503,8 +503,7 @@ def commit(
             final.mkdir()
             os.replace(tmp, final / prefix)  # the mirror: the committed attempt, where readers look for it
         else:
-            if place.guard is not None:
-                place.guard()
+            place.check_lease()
             remove_dir(final)
             os.replace(tmp, final)
             commit_point("renamed")
@@ -533,15 +532,14 @@ def _publish(place: RunPlace, stage_key: str, folder: Path, manifest: StageManif
     new manifest does not name are removed after it (readers never list, so one left by a kill is never read).
 
     Raises:
-        StageCommitLost: another writer's manifest won. LeaseLost: (``place.guard``) this process lost the run.
+        StageCommitLost: another writer's manifest won. LeaseLost: (``place.check_lease``) this process lost the run.
     """
     store = place.store
     attempt = f"{stage_key}/{manifest.prefix}"
     try:
         store.put_folder(folder, attempt)
         commit_point("renamed")  # every file uploaded, the manifest not written
-        if place.guard is not None:
-            place.guard()
+        place.check_lease()
         data = json.dumps(manifest.model_dump(mode="json"), indent=2, sort_keys=True).encode() + b"\n"
         key = f"{stage_key}/{MANIFEST}"
         won = store.create(key, data) if replaced is None else store.replace_if(key, data, replaced)

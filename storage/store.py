@@ -129,6 +129,12 @@ class Store:
         """True for a folder this machine mounts (renames and ``flock`` work; files open as paths)."""
         return isinstance(self.fs, LocalFileSystem)
 
+    @property
+    def address(self) -> str:
+        """What names this store to ``open`` (``storage.root``, ``--store``, another process's ``open_run``): a
+        local folder's path, else the URI."""
+        return self.root if self.local else self.uri
+
     def path(self, key: str = "") -> str:
         """``key`` (``/``-separated, relative to the root) as ``fs`` spells it."""
         return f"{self.root}/{key}".rstrip("/") if key else self.root

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from solrl.cli import app
 from solrl.stages.context import StageContext
 from solrl.stages.pipeline import campaign_plan, run_stage
-from solrl.storage.mirror import locate
+from solrl.storage.mirror import locate, run_folder
 from solrl.storage.runs import create_run, list_runs, open_run
 from solrl.storage.stage import MANIFEST, StageOutput, commit, read_manifest, require, stage_dir
 from solrl.storage.store import Store
@@ -56,8 +56,7 @@ def checksums(run_dir: Path) -> dict[tuple[int, str, str], object]:
 
 
 def _store_and_id(run_dir: Path) -> tuple[str, str]:
-    place = locate(run_dir)
-    return (place.store.uri if place.mirrored else str(run_dir.parent)), run_dir.name
+    return locate(run_dir).store.address, run_dir.name
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +165,7 @@ def _two_files(out: Path) -> StageOutput:
 def test_a_corrupted_object_or_manifest_on_the_store_is_never_trusted(s3_and_local):
     on_s3, _, root, _ = s3_and_local
     store = locate(on_s3).store
-    run_dir = on_s3.parent / "commit-tests"
+    run_dir = run_folder(store, "commit-tests")
     commit(run_dir, "commit-tests", 1, "explore", "k", _two_files)
     key = "commit-tests/iter_000001/explore"
     manifest = read_manifest(run_dir, 1, "explore", verify=True)
@@ -234,9 +233,8 @@ def test_a_kill_at_each_fault_point_of_explore_and_update_then_resume_equals_the
         if where == "renamed":  # uploaded, not committed: an attempt no manifest names, which nothing reads
             assert [n for n in store.ls(key) if n.startswith("a-")], point
     assert child(None) == 0
-    mirror = Path(env["SOLRL_CACHE"]) / "stores"
-    (run_dir,) = mirror.glob("*/same")
-    assert checksums(run_dir) == checksums(local)
+    assert list((Path(env["SOLRL_CACHE"]) / "stores").glob("*/same"))  # the children worked in their own mirror
+    assert checksums(open_run(root, "same").run_dir) == checksums(local)  # read here from the store
     for iteration, stages in campaign_plan(open_run(root, "same").config):
         for stage in stages:  # one manifest and the one attempt it names: no attempt of a killed try is left
             key = f"same/iter_{iteration:06d}/{stage}"
@@ -252,7 +250,7 @@ def test_two_writers_racing_for_one_stage_one_manifest_wins(s3_and_local):
     from solrl.storage.stage import StageCommitLost
 
     on_s3, _, _, _ = s3_and_local
-    run_dir = on_s3.parent / "race"
+    run_dir = run_folder(locate(on_s3).store, "race")
     outcomes: list[object] = [None] * 8
     start = threading.Barrier(8)
 
@@ -491,12 +489,10 @@ def test_a_reader_on_another_machine_downloads_only_the_chunks_it_indexes(s3_and
     them, only the chunk files of the prompts read (each checked against its sha256): a shard's own prompts."""
     import numpy as np
 
-    from solrl.storage import mirror
     from solrl.storage.artifacts import CandidatePool
 
     on_s3, local, root, _ = s3_and_local
     monkeypatch.setenv("SOLRL_CACHE", str(tmp_path / "other-machine"))
-    mirror._mirrored_store.cache_clear()
     run_dir = open_run(root, "same").run_dir
     pool = CandidatePool.load(run_dir, 1)
     folder = require(run_dir, 1, "explore", defer=lambda rel: "/c/" in rel)[0] / "candidates.zarr"
@@ -509,4 +505,17 @@ def test_a_reader_on_another_machine_downloads_only_the_chunks_it_indexes(s3_and
     expected = CandidatePool.load(local, 1)
     np.testing.assert_array_equal(second, np.asarray(expected.images)[1:2])
     np.testing.assert_array_equal(pool.seeds, expected.seeds)
-    mirror._mirrored_store.cache_clear()
+
+
+def test_a_mirror_folder_this_process_did_not_open_is_refused_not_taken_for_a_run_store(s3_and_local, tmp_path):
+    """Issue 37: a run's place is recorded when the process opens it, never worked out again from a folder. A mirror
+    handed over bare (as torchrun's workers once got their run) would be read as a local store of copies: refused,
+    with the way to open it; the workers are handed the store itself (``Store.address``)."""
+    _, _, root, _ = s3_and_local
+    opened = open_run(root, "same")
+    assert locate(opened.run_dir).mirrored and opened.place.store.address == root
+    stray = tmp_path / "elsewhere"  # the same mirror layout, never opened by this process
+    stray.mkdir()
+    (stray / ".store.json").write_text(json.dumps({"uri": root}))
+    with pytest.raises(ValueError, match=r"a mirror of an object store's run.*open_run\(store, 'same'\)"):
+        locate(stray / "same")

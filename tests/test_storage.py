@@ -303,7 +303,7 @@ def test_two_processes_starting_runs_in_a_new_store_at_once_both_get_an_mlflow_r
 def test_a_process_whose_run_lease_was_taken_commits_nothing(tmp_path: Path):
     """The run lock is a lease (``solrl.storage.lease``): when another holder takes it over (this process
     stalled past its term), the next renewal notices, and the stage commit refuses before replacing anything. The
-    guard is the run's (its ``RunPlace``): another run of the same process commits."""
+    lease is the run's (its ``RunPlace``): another run of the same process commits."""
     import time
 
     from solrl.storage.lease import LEASE, LeaseLost
@@ -326,4 +326,4 @@ def test_a_process_whose_run_lease_was_taken_commits_nothing(tmp_path: Path):
         assert commit(other, "other", 1, "explore", "k", _write_two_files).stage == "explore"
     assert read_manifest(run_dir, 1, "explore", verify=True) == kept
     assert json.loads(store.read_bytes(f"r/{LEASE}"))["holder"]["token"] == "successor"  # left as it is
-    assert locate(run_dir).guard is None  # released with the lock
+    assert locate(run_dir).lease is None  # released with the lock
