@@ -70,7 +70,16 @@ def compare(before: dict, after: dict) -> list[str]:
                 if name not in a or name not in b:
                     lines.append(f"{key} {part[:-1]} only in {'after' if name in b else 'before'}: {name}")
                 elif a[name] != b[name]:
-                    lines.append(f"{key} {part[:-1]} differs: {name}")
+                    keys = ""
+                    if isinstance(a[name], dict) and isinstance(b[name], dict):  # state.json: which entries
+                        keys = (
+                            " ("
+                            + ", ".join(
+                                k for k in sorted(set(a[name]) | set(b[name])) if a[name].get(k) != b[name].get(k)
+                            )
+                            + ")"
+                        )
+                    lines.append(f"{key} {part[:-1]} differs: {name}{keys}")
     return lines
 
 

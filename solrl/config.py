@@ -82,8 +82,9 @@ class ModelConfig(_Section):
     source: Literal["weights", "tiny"] = Field(
         "weights",
         description="weights = the family's weights (model.path, or its default); tiny = the family's tiny twin: its "
-        "own diffusers classes at tiny widths with random weights, built on first use in the solrl cache (or at "
-        "model.path), which runs the whole flow on a CPU in minutes: the plumbing, not learning (docs: Models).",
+        "own diffusers classes at tiny widths with random weights, built on first use in the solrl cache (or in the "
+        "folder model.path names; a hub id there is the real checkpoint and is not used), which runs the whole flow "
+        "on a CPU in minutes: the plumbing, not learning (docs: Models).",
     )
     resolution: int | None = Field(
         None, ge=8, description="Image height and width in pixels; null = the family's default."
@@ -626,7 +627,8 @@ class RunConfig(_Section):
             return self
         from solrl.registry import EXPLORE_BACKENDS, LOSSES, MODELS, REWARDS
 
-        _registered(MODELS, self.model.family, "model.family").for_source(self.model.source).validate_config(self)
+        check_family(self.model.family)
+        MODELS.get(self.model.family).for_source(self.model.source).validate_config(self)
         _registered(EXPLORE_BACKENDS, self.explore.precision, "explore.precision")
         _registered(LOSSES, self.train.loss, "train.loss").validate_config(self)
         rewards = self.reward
@@ -730,6 +732,34 @@ LAYOUT_FIELDS = (
 UNHASHED_DEFAULTS = {("model", "source"): "weights"}
 
 
+def without_unhashed(section: str, values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` of config section ``section`` less each of ``UNHASHED_DEFAULTS`` at its value: what any digest of
+    the section hashes (the config hash, the prompt-embedding cache's name), so it is the one taken before such a
+    field existed."""
+    drop = {key for (name, key), value in UNHASHED_DEFAULTS.items() if name == section and values.get(key) == value}
+    return {k: v for k, v in values.items() if k not in drop}
+
+
+def check_family(family: str) -> None:
+    """Refuse a ``model.family`` that no plug-in registers, naming the registered ones; a preset's name (as the tiny
+    twins were named before ``model.source``) is answered with the preset's model.
+
+    Raises:
+        ConfigError: ``family`` is not registered.
+    """
+    from solrl.registry import MODELS
+
+    if family in MODELS:
+        return
+    if family in list_presets():
+        model = load_config(family, plugins=False).model
+        raise ConfigError(
+            f"model.family: {family!r} is a preset, not a family; its model is model.family={model.family} "
+            f"model.source={model.source}"
+        )
+    raise ConfigError(f"model.family: unknown {MODELS.kind} {family!r}; registered: {', '.join(MODELS.names())}")
+
+
 def config_digest(data: dict[str, Any]) -> str:
     """sha256 of a config mapping's canonical JSON, ``base_dir`` and ``LAYOUT_FIELDS`` excluded, and each of
     ``UNHASHED_DEFAULTS`` at its value (``RunConfig.digest`` of a dump)."""
@@ -737,9 +767,9 @@ def config_digest(data: dict[str, Any]) -> str:
     for section, key in LAYOUT_FIELDS:
         if isinstance(payload.get(section), dict):
             payload[section] = {k: v for k, v in payload[section].items() if k != key}
-    for (section, key), value in UNHASHED_DEFAULTS.items():
-        if isinstance(payload.get(section), dict) and payload[section].get(key, value) == value:
-            payload[section] = {k: v for k, v in payload[section].items() if k != key}
+    for section in {section for section, _ in UNHASHED_DEFAULTS}:
+        if isinstance(payload.get(section), dict):
+            payload[section] = without_unhashed(section, payload[section])
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 

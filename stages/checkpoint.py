@@ -17,7 +17,7 @@ LORA_FOLDER = "lora"
 
 def checkpoint(ctx: StageContext, out: Path, trained: TrainedState) -> StageOutput:
     """Write ``policy``, ``rollout``, ``ema``, ``optimizer``, ``rng`` safetensors and ``state.json``
-    (iteration, global step, optimizer groups, config hash, model family and its architecture as the family's
+    (iteration, global step, optimizer groups, config hash, model family and source, its architecture as the family's
     adapter describes it, solrl version), and the policy LoRA in diffusers' format in ``lora/``
     (``pytorch_lora_weights.safetensors``: a stock pipeline's ``load_lora_weights`` loads it)."""
     state = {
@@ -26,6 +26,7 @@ def checkpoint(ctx: StageContext, out: Path, trained: TrainedState) -> StageOutp
         "run_id": ctx.run_id,
         "config_hash": ctx.config_key,
         "model_family": ctx.cfg.model.family,
+        "model_source": ctx.cfg.model.source,
         "model_path": ctx.cfg.model.path,
         "lora": {"rank": ctx.cfg.model.lora_rank, "alpha": ctx.cfg.model.lora_alpha},
         "architecture": model_family(ctx.cfg.model).architecture(ctx.cfg.model),

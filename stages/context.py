@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from solrl.config import RunConfig
+from solrl.config import RunConfig, without_unhashed
 from solrl.stages.models import ModelAdapter, load_model, resolve_device
 from solrl.stages.models.adapter import EmbeddingCacheMiss
 from solrl.stages.models.policy import ADAPTERS, Policy
@@ -123,7 +123,7 @@ class StageContext:
         prompts; one tensor ``<i>/<name>`` per sorted unique prompt ``i`` and conditioning entry (``ModelAdapter
         .precompute``)."""
         prompts = self.cfg.train_prompts() + self.cfg.eval_prompts()
-        config = self.cfg.model.model_dump(mode="json", exclude={"device"})
+        config = without_unhashed("model", self.cfg.model.model_dump(mode="json", exclude={"device"}))
         digest = hashlib.sha256(json.dumps([config, sorted(set(prompts))], sort_keys=True).encode()).hexdigest()[:16]
         return prompts, self.run_dir / PROMPT_EMBEDDINGS / f"{self.cfg.model.family}-{digest}.safetensors"
 

@@ -39,7 +39,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from solrl.config import ConfigError
+from solrl.config import ConfigError, without_unhashed
 from solrl.stages.models.adapter import repeated_blocks
 
 GIB = 1 << 30
@@ -660,7 +660,8 @@ def _cache_key(cfg: Any, dtype: torch.dtype) -> str:
         stamp = config.stat().st_mtime_ns if config.is_file() else 0
     except ConfigError:
         stamp = 0
-    payload = [cfg.model.model_dump(mode="json", exclude={"device"}), cfg.explore.min_dim, str(dtype), stamp, 2]
+    model = without_unhashed("model", cfg.model.model_dump(mode="json", exclude={"device"}))
+    payload = [model, cfg.explore.min_dim, str(dtype), stamp, 2]
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:20]
 
 

@@ -213,8 +213,8 @@ def list_runs(root: str | Path) -> list[dict[str, object]]:
         last = ""
         if iterations:  # the newest committed stage, e.g. "iter 3: select"
             newest = f"{run_id}/{iterations[-1]}"
-            committed = sorted(
-                (store.modified(f"{newest}/{name}/{MANIFEST}"), name)
+            committed = sorted(  # by the commit time a manifest records: pruning a pool rewrites its manifest later
+                (str(json.loads(store.read_bytes(f"{newest}/{name}/{MANIFEST}")).get("created", "")), name)
                 for name in store.ls(newest)
                 if store.exists(f"{newest}/{name}/{MANIFEST}")
             )

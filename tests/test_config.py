@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -58,6 +59,11 @@ def test_config_is_frozen_and_hash_changes_with_values():
             r"exceeds the 512 tokens tiny-flux's text",
         ),
         (["model.source=tiny"], r"model.source=tiny: model family tiny-digits has no tiny twin; set model.source=weig"),
+        (["model.family=tiny-sd3"], r"'tiny-sd3' is a preset, not a family; its model is model.family=sd3 model.so"),
+        (
+            ["model.family=sd3", "model.source=tiny", "model.resolution=256"],
+            r"model.resolution=256 is more than the 128 px tiny-sd3, the tiny twin \(model.source=tiny\), takes",
+        ),
         (["explore.pool_sise=8"], r"explore.pool_sise: unknown key; known keys here: precision, steps, pool_size,"),
         (["bogus.key=1"], r"bogus: unknown key; known keys here: name, model, explore, select,"),
         (["explore.steps=0"], r"explore.steps: Input should be greater than or equal to 1"),
@@ -394,7 +400,71 @@ def test_a_tiny_twin_is_its_family_with_the_tiny_source_and_weights_keep_the_has
     before = published.model_dump(mode="json")
     del before["model"]["source"]  # as a run recorded before model.source existed stored it
     assert config_digest(before) == published.digest()
-    assert load_config("sd35-medium", ["model.source=tiny"]).digest() != published.digest()
+    assert load_config("sd35-medium", ["model.source=tiny", "model.resolution=64"]).digest() != published.digest()
+
+
+def test_a_run_recorded_before_model_source_keeps_its_prompt_cache_and_an_old_tiny_family_name_is_explained(
+    tmp_path: Path,
+):
+    """The prompt-embedding cache is named by a digest of the model section: ``source: weights`` is left out of it as
+    of the config hash, so a resumed run finds the embeddings it cached (a FLUX run would otherwise load T5-XXL
+    again). A run recorded as ``model.family: tiny-sd3`` is told what that model is now, as a ConfigError (``solrl
+    export`` reports ConfigErrors in one line)."""
+    import hashlib
+
+    from solrl.config import ModelConfig
+    from solrl.stages.context import StageContext
+    from solrl.stages.models import model_family
+
+    cfg = load_config("sd35-medium", [f"storage.root={tmp_path}"])
+    before = cfg.model.model_dump(mode="json", exclude={"device", "source"})  # as it was dumped before the field
+    prompts, path = StageContext(cfg, tmp_path, "r", 1).prompt_embeddings()
+    digest = hashlib.sha256(json.dumps([before, sorted(set(prompts))], sort_keys=True).encode()).hexdigest()[:16]
+    assert path.name == f"sd3-{digest}.safetensors"
+    with pytest.raises(ConfigError, match=r"'tiny-sd3' is a preset, not a family; its model is model.family=sd3 mo"):
+        model_family(ModelConfig(family="tiny-sd3"))
+
+
+def test_a_family_has_one_tiny_twin():
+    """As ``register_model`` refuses a taken name, ``tiny_twin`` refuses a second twin of a family (a plug-in's
+    subclass of ``TinyFlux`` would otherwise replace the twin every ``tiny-flux`` run builds)."""
+    from typing import ClassVar
+
+    from solrl.stages.models.adapter import tiny_twin
+    from solrl.stages.models.flux import Flux, TinyFlux
+
+    with pytest.raises(TypeError, match="flux already has a tiny twin, TinyFlux"):
+
+        @tiny_twin
+        class PatchedTinyFlux(TinyFlux):
+            name: ClassVar[str] = "patched-tiny-flux"
+
+    assert Flux.for_source("tiny") is TinyFlux
+
+
+def test_a_published_preset_on_its_tiny_twin_builds_it_in_the_cache_and_never_in_a_real_weights_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """``--set model.source=tiny`` on a published preset: its ``model.path`` is a hub id, the real checkpoint, which
+    names no folder for the twin (it was built at ``./<org>/<name>`` once); a folder of other weights is refused."""
+    from solrl.config import ConfigError
+    from solrl.stages.models import model_family
+    from solrl.stages.models.diffusers_family import TINY_MARKER, solrl_cache
+
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config("sd35-medium", ["model.source=tiny", "model.resolution=64"])
+    twin = model_family(cfg.model)
+    assert cfg.model.path == "stabilityai/stable-diffusion-3.5-medium"
+    assert twin.weights_dir(cfg.model) == solrl_cache() / "models" / "tiny-sd3-v1"
+    real = tmp_path / "real"
+    real.mkdir()
+    (real / "model_index.json").write_text("{}")
+    local = cfg.model.model_copy(update={"path": str(real)})
+    with pytest.raises(ConfigError, match=r"model.path=.*/real holds a pipeline that is not a tiny twin solrl built"):
+        twin.check_runnable(local)
+    (real / TINY_MARKER).write_text("{}")
+    twin.check_runnable(local)  # one it built: taken
+    assert not list(tmp_path.glob("stabilityai*"))
 
 
 def test_a_user_preset_extends_a_shipped_one_by_name(tmp_path: Path):

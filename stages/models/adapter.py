@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from solrl.config import ConfigError, ModelConfig, RunConfig
+from solrl.config import ConfigError, ModelConfig, RunConfig, check_family
 from solrl.registry import MODELS
 from solrl.storage.fingerprint import folder_fingerprint
 from solrl.storage.stage import plain_modes
@@ -329,9 +329,13 @@ def model_family(cfg: ModelConfig) -> type[ModelAdapter]:
     (``ModelAdapter.for_source``).
 
     Raises:
-        ValueError: an unknown family, or ``source=tiny`` for a family without a tiny twin.
+        ConfigError: an unknown family, or ``source=tiny`` for a family without a tiny twin.
     """
-    return MODELS.get(cfg.family).for_source(cfg.source)
+    check_family(cfg.family)  # a run recorded with a tiny twin's old family name is told its model
+    try:
+        return MODELS.get(cfg.family).for_source(cfg.source)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def tiny_twin(twin: type[ModelAdapter]) -> type[ModelAdapter]:
@@ -339,7 +343,7 @@ def tiny_twin(twin: type[ModelAdapter]) -> type[ModelAdapter]:
     tiny twin itself (``TinySD3(TinyFamily, SD3)`` is ``sd3``'s). Returns ``twin``.
 
     Raises:
-        TypeError: no base of ``twin`` is a model family.
+        TypeError: no base of ``twin`` is a model family, or that family has another tiny twin.
     """
     family = next(
         (
@@ -351,6 +355,8 @@ def tiny_twin(twin: type[ModelAdapter]) -> type[ModelAdapter]:
     )
     if family is None:
         raise TypeError(f"{twin.__name__} has no model family among its bases to be the tiny twin of")
+    if vars(family).get("_tiny_twin", twin) is not twin:  # as register_model refuses a name taken
+        raise TypeError(f"{family.name} already has a tiny twin, {vars(family)['_tiny_twin'].__name__}")
     family._tiny_twin = twin  # type: ignore[attr-defined]
     twin._twin_of = family  # type: ignore[attr-defined]
     return twin

@@ -8,6 +8,7 @@ loads back into the same pipeline class.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -24,7 +25,7 @@ from torch import nn
 from solrl.config import ConfigError, ModelConfig, RunConfig
 from solrl.stages.models.adapter import Conditioning, ModelAdapter, weights_dtype
 from solrl.storage.stage import plain_modes
-from solrl.weights import PIPELINE_FILES, PublishedWeights, hub_download, pipeline_dir, published_weights
+from solrl.weights import HUB_ID, PIPELINE_FILES, PublishedWeights, hub_download, pipeline_dir, published_weights
 
 #: Images decoded per VAE call (bounds the decoder's activation memory at 1024 px).
 DECODE_BATCH = 8
@@ -400,6 +401,7 @@ def build_once(family: type[DiffusersFamily], out: Path) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         family.build_tiny(tmp)
+        (tmp / TINY_MARKER).write_text(json.dumps({"twin": family.name, "version": TINY_VERSION}) + "\n")
         plain_modes(tmp)  # mkdtemp made it 0700
         try:
             os.replace(tmp, out)
@@ -413,24 +415,54 @@ def build_once(family: type[DiffusersFamily], out: Path) -> Path:
 
 #: Bumped whenever a tiny family's builder changes, so a machine's cached tiny models are rebuilt.
 TINY_VERSION = 1
+#: The file ``build_once`` writes into a tiny twin's folder: a folder without it holds weights solrl did not build.
+TINY_MARKER = "solrl-tiny-twin.json"
 
 
 class TinyFamily:
-    """Mixin of the tiny families: weights built on first use in the solrl cache (or at ``model.path``)."""
+    """Mixin of the tiny twins (``model.source: tiny``): weights built on first use in the solrl cache, in the
+    folder ``<name>-v<TINY_VERSION>``, or at ``model.path`` when that names a folder and not a hub id (a published
+    preset's hub id is its real checkpoint, not where its twin goes)."""
 
     weights_hint: ClassVar[str] = "built on first use (random weights) in $SOLRL_CACHE or ~/.cache/solrl"
+    #: The largest ``model.resolution`` the tiny transformer takes (its position table), or None for no limit.
+    max_resolution: ClassVar[int | None] = None
+
+    @classmethod
+    def validate_config(cls, cfg: RunConfig) -> None:
+        super().validate_config(cfg)  # type: ignore[misc]
+        resolution = cfg.model.resolution
+        if cls.max_resolution is not None and resolution is not None and resolution > cls.max_resolution:
+            raise ValueError(
+                f"model.resolution={resolution} is more than the {cls.max_resolution} px {cls.name}, "  # type: ignore[attr-defined]
+                f"the tiny twin (model.source=tiny), takes; set model.resolution=null (its default) or at most "
+                f"{cls.max_resolution}"
+            )
 
     @classmethod
     def weights_dir(cls, cfg: ModelConfig) -> Path:
-        default = solrl_cache() / "models" / f"{cls.name}-v{TINY_VERSION}"  # type: ignore[attr-defined]
-        return Path(cfg.path).expanduser() if cfg.path else default
+        path = Path(cfg.path).expanduser() if cfg.path else None
+        if path is not None and (path.exists() or not HUB_ID.match(str(cfg.path))):
+            return path
+        return solrl_cache() / "models" / f"{cls.name}-v{TINY_VERSION}"  # type: ignore[attr-defined]
 
     @classmethod
     def check_runnable(cls, cfg: ModelConfig) -> None:
-        """A missing tiny model is built by ``load``: its cache folder must then be creatable (it is created
-        here, before any run is)."""
+        """A missing tiny model is built by ``load``: its folder must then be creatable (it is created here, before
+        any run is). A folder at ``model.path`` that holds a pipeline solrl did not build as a tiny twin (real
+        weights) is refused: ``load`` would read it as the twin.
+
+        Raises:
+            ConfigError: the folder cannot be written, or ``model.path`` holds other weights.
+        """
         out = cls.weights_dir(cfg)
         if (out / "model_index.json").exists():
+            if cfg.path and out == Path(cfg.path).expanduser() and not (out / TINY_MARKER).exists():
+                raise ConfigError(
+                    f"model.path={cfg.path} holds a pipeline that is not a tiny twin solrl built; with "
+                    f"model.source=tiny, model.path is where the twin is built: set model.path=null (the solrl "
+                    f"cache) or a new folder"
+                )
             return
         try:
             out.parent.mkdir(parents=True, exist_ok=True)

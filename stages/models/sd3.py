@@ -112,6 +112,7 @@ class TinySD3(TinyFamily, SD3):
     default_resolution: ClassVar[int] = 32
     resolution_multiple: ClassVar[int] = 4  # the tiny VAE downsamples by 2
     default_max_sequence_length: ClassVar[int] = 16
+    max_resolution: ClassVar[int | None] = 128  # pos_embed_max_size 32 x patch 2 x the tiny VAE's 2
 
     @classmethod
     def tiny_transformer(cls):  # -> diffusers.SD3Transformer2DModel
