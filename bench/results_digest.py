@@ -1,7 +1,7 @@
 """Every result of a short campaign as digests, to show that a change left the results unchanged to the last digit.
 
 Runs a 2-iteration campaign of a preset through the stage functions (no Prefect, no MLflow; tiny-digits by default,
-2 prompts x pool 8 -> keep 4, an audit at iteration 2) and writes, for every committed stage, the sha256 of each of
+2 prompts an iteration, an audit at iteration 2) and writes, for every committed stage, the sha256 of each of
 its files and its metrics, as JSON. Two such files (two commits, e.g. with ``git checkout``) are compared with
 ``--compare``: a file or metric that differs, or is only in one, is listed; timing metrics (``*seconds*``) are not
 results and are left out. The checkpoint's ``state.json`` is compared by content, less its config hash and solrl
@@ -20,17 +20,8 @@ import json
 import tempfile
 from pathlib import Path
 
-#: A campaign of seconds on CPU (tests/conftest.py's TINY).
-SHORT = [
-    "explore.pool_size=8",
-    "select.k=4",
-    "campaign.prompts_per_iteration=2",
-    "campaign.eval_seeds=2",
-    "campaign.iterations=2",
-    "train.optimizer_steps=2",
-    "tracking.grid_prompts=2",
-    "fidelity.audit_every=2",
-]
+#: The preset's campaign cut to 2 iterations of 2 prompts, with the fidelity audit at iteration 2.
+SHORT = ["campaign.iterations=2", "campaign.prompts_per_iteration=2", "fidelity.audit_every=2"]
 
 
 def digest(preset: str, extra: list[str]) -> dict:
