@@ -17,7 +17,7 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 os.environ["PREFECT_LOGGING_LEVEL"] = "WARNING"
 os.environ.pop("MLFLOW_TRACKING_URI", None)
 os.environ.pop("PREFECT_API_URL", None)
-# The tiny families build their random models on first use here, not in the user's ~/.cache/solrl.
+# The tiny twins build their random models on first use here, not in the user's ~/.cache/solrl.
 os.environ["SOLRL_CACHE"] = tempfile.mkdtemp(prefix="solrl-cache-")
 #: Under pytest-xdist (`make test` runs two workers) each worker and the processes it starts get one thread, so
 #: the workers never compete for the machine's two cores.

@@ -56,7 +56,7 @@ def quiet_diffusers() -> Iterator[None]:
 
 
 def solrl_cache() -> Path:
-    """Where solrl keeps what it builds once per machine (the tiny families): ``$SOLRL_CACHE`` or
+    """Where solrl keeps what it builds once per machine (the tiny twins): ``$SOLRL_CACHE`` or
     ``~/.cache/solrl``."""
     return Path(os.environ.get("SOLRL_CACHE", "~/.cache/solrl")).expanduser()
 
@@ -286,7 +286,7 @@ class DiffusersFamily(ModelAdapter):
 
     @classmethod
     def build_tiny(cls, out: Path) -> None:
-        """Write a tiny random-weight pipeline of this family's real classes to ``out`` (tiny families)."""
+        """Write a tiny random-weight pipeline of this family's real classes to ``out`` (tiny twins)."""
         raise NotImplementedError
 
     # -- instance level --------------------------------------------------------------------------------------------
@@ -413,7 +413,7 @@ def build_once(family: type[DiffusersFamily], out: Path) -> Path:
     return out
 
 
-#: Bumped whenever a tiny family's builder changes, so a machine's cached tiny models are rebuilt.
+#: Bumped whenever a tiny twin's builder changes, so a machine's cached tiny models are rebuilt.
 TINY_VERSION = 1
 #: The file ``build_once`` writes into a tiny twin's folder: a folder without it holds weights solrl did not build.
 TINY_MARKER = "solrl-tiny-twin.json"

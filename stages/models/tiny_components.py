@@ -1,7 +1,7 @@
-"""Tiny tokenizers, text encoders and VAEs of the real classes, built locally (no hub), for the tiny families.
+"""Tiny tokenizers, text encoders and VAEs of the real classes, built locally (no hub), for the tiny twins.
 
 The vocabularies are small (characters and a few merges), so the tiny models encode any prompt; their
-weights are random. Used only to build the tiny families (``tiny-sana``, ``tiny-flux``, ``tiny-sd3``,
+weights are random. Used only to build the tiny twins (``tiny-sana``, ``tiny-flux``, ``tiny-sd3``,
 ``tiny-z-image``, ``tiny-qwen-image``, ``tiny-flux2``) on first use and in tests; the real families load the
 published tokenizers and encoders from ``model.path``.
 """
