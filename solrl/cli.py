@@ -437,12 +437,13 @@ def list_(store: StoreOption = "runs") -> None:
         return
     table = Table(title=f"runs in {where}")
     table.add_column("run id", no_wrap=True, min_width=max(len(str(r["run_id"])) for r in rows))
-    for name in ("created (UTC)", "iterations done", "last committed stage", "explore"):
+    for name in ("created (UTC)", "model", "iterations done", "last committed stage", "explore"):
         table.add_column(name, overflow="fold")
     for row in rows:
         table.add_row(
             str(row["run_id"]),
             str(row["created"])[:19].replace("T", " "),
+            str(row["model"]),
             f"{row['iterations_done']}/{row['iterations']}",
             str(row["last_stage"]),
             str(row["explore"]),

@@ -193,8 +193,9 @@ def set_shards(root: str | Path, run_id: str, shards: int) -> None:
 
 
 def list_runs(root: str | Path) -> list[dict[str, object]]:
-    """Summaries of the runs under ``root``, oldest first: id, created, iterations committed (manifests present,
-    not verified), the newest committed stage, and where the run is (its folder, or its URL in an object store).
+    """Summaries of the runs under ``root``, oldest first: id, created, model family (and ``(tiny twin)`` for
+    ``model.source: tiny``), iterations committed (manifests present, not verified), the newest committed stage, and
+    where the run is (its folder, or its URL in an object store).
 
     Raises:
         ConfigError: (``StoreError``) an object store that cannot be listed.
@@ -220,12 +221,14 @@ def list_runs(root: str | Path) -> list[dict[str, object]]:
             )
             last = f"iter {int(iterations[-1][5:])}: {committed[-1][1]}" if committed else ""
         config = data.get("config", {})
+        model = config.get("model", {})
         rows.append(
             {
                 "run_id": data.get("run_id", run_id),
                 "created": data.get("created", ""),
                 "iterations_done": len(done),
                 "iterations": config.get("campaign", {}).get("iterations", "?"),
+                "model": str(model.get("family", "?")) + (" (tiny twin)" if model.get("source") == "tiny" else ""),
                 "last_stage": last,
                 "explore": "{precision} pool {pool_size}".format(
                     **{"precision": "?", "pool_size": "?", **config.get("explore", {})}

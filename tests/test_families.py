@@ -96,13 +96,15 @@ def test_two_iteration_campaign_through_the_prefect_flow_with_nvfp4_explore(tmp_
     from solrl.flows.sol_rl import campaign
     from solrl.stages.pipeline import campaign_plan
     from solrl.storage.artifacts import CandidatePool, Checkpoint, Samples
-    from solrl.storage.runs import create_run
+    from solrl.storage.runs import create_run, list_runs
     from solrl.storage.stage import read_manifest, stage_dir
 
     cfg = _config(family, tmp_path / "store")
     assert cfg.explore.precision == "nvfp4_emulated" and cfg.campaign.iterations == 2
     run = create_run(cfg, f"{family}-flow")
     campaign(str(run.run_dir.parent), run.run_id)
+    (listed,) = list_runs(run.run_dir.parent)  # solrl ls tells a twin's run from the family's
+    assert listed["model"] == f"{cfg.model.family} (tiny twin)" and listed["last_stage"] == "iter 2: evaluate"
     for iteration, stages in campaign_plan(cfg):
         for stage in stages:
             assert read_manifest(run.run_dir, iteration, stage) is not None, (iteration, stage)

@@ -75,6 +75,7 @@ def test_two_iteration_campaign_commits_every_stage_logs_mlflow_and_reruns_as_sk
     listed = list_runs(run.run_dir.parent)[0]
     # The last stage committed, not explore's manifest, which pruning the pool rewrote after the iteration.
     assert listed["iterations_done"] == 2 and listed["last_stage"] == "iter 2: evaluate", listed
+    assert listed["model"] == "tiny-digits"
 
 
 def test_sigkill_mid_iteration_then_resume_completes_and_skips_committed_stages(tmp_path: Path):
