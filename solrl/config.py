@@ -625,10 +625,9 @@ class RunConfig(_Section):
         # read without them (context plugins=False): its plug-ins may not be installed where it is reported.
         if info.context and info.context.get("plugins") is False:
             return self
-        from solrl.registry import EXPLORE_BACKENDS, LOSSES, MODELS, REWARDS
+        from solrl.registry import EXPLORE_BACKENDS, LOSSES, REWARDS
 
-        check_family(self.model.family)
-        MODELS.get(self.model.family).for_source(self.model.source).validate_config(self)
+        registered_family(self.model.family).for_source(self.model.source).validate_config(self)
         _registered(EXPLORE_BACKENDS, self.explore.precision, "explore.precision")
         _registered(LOSSES, self.train.loss, "train.loss").validate_config(self)
         rewards = self.reward
@@ -703,9 +702,9 @@ class RunConfig(_Section):
 
 
 def _registered(registry: Any, name: str, field: str) -> Any:
-    """The plug-in ``name`` of ``registry``; ValueError naming the field and the registered names."""
+    """The plug-in ``name`` of ``registry``; ConfigError naming the field and the registered names."""
     if name not in registry:
-        raise ValueError(f"{field}: unknown {registry.kind} {name!r}; registered: {', '.join(registry.names())}")
+        raise ConfigError(f"{field}: unknown {registry.kind} {name!r}; registered: {', '.join(registry.names())}")
     return registry.get(name)
 
 
@@ -740,24 +739,23 @@ def without_unhashed(section: str, values: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in values.items() if k not in drop}
 
 
-def check_family(family: str) -> None:
-    """Refuse a ``model.family`` that no plug-in registers, naming the registered ones; a preset's name (as the tiny
-    twins were named before ``model.source``) is answered with the preset's model.
+def registered_family(family: str) -> Any:
+    """The adapter class registered as ``model.family`` ``family``. A name no plug-in registers is refused, naming the
+    registered ones; a preset's name (as the tiny twins were named before ``model.source``) is answered with the
+    preset's model.
 
     Raises:
         ConfigError: ``family`` is not registered.
     """
     from solrl.registry import MODELS
 
-    if family in MODELS:
-        return
-    if family in list_presets():
+    if family not in MODELS and family in list_presets():
         model = load_config(family, plugins=False).model
         raise ConfigError(
             f"model.family: {family!r} is a preset, not a family; its model is model.family={model.family} "
             f"model.source={model.source}"
         )
-    raise ConfigError(f"model.family: unknown {MODELS.kind} {family!r}; registered: {', '.join(MODELS.names())}")
+    return _registered(MODELS, family, "model.family")
 
 
 def config_digest(data: dict[str, Any]) -> str:

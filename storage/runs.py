@@ -36,14 +36,17 @@ class Run:
     prompts_sha256: str | None = None
     #: ``storage.fingerprint.folder_fingerprint`` of the model weights at creation; None when not recorded.
     weights: dict[str, str] | None = None
-    #: The run store as ``--store`` takes it: a local folder's absolute path, or an object store's URL. For an
-    #: object store ``run_dir`` is this machine's mirror of the run (``solrl.storage.mirror``).
-    store: str = ""
 
     @property
     def place(self) -> RunPlace:
         """Where the run lives: its store, key, this machine's folder and, while a lock holds it, its lease."""
         return locate(self.run_dir)
+
+    @property
+    def store(self) -> str:
+        """The run store as ``--store`` takes it: a local folder's absolute path, or an object store's URL. For an
+        object store ``run_dir`` is this machine's mirror of the run (``solrl.storage.mirror``)."""
+        return self.place.store.address
 
 
 def open_store(root: str | Path) -> Store:
@@ -127,7 +130,7 @@ def create_run(cfg: RunConfig, run_id: str | None = None, weights: dict[str, str
             f"cannot create run {run_id!r} in {where} ({exc.strerror or exc}); set storage.root to a writable "
             f"folder or object store"
         ) from None
-    return Run(run_id, run_dir, cfg, cfg.digest(), prompts, weights, where)
+    return Run(run_id, run_dir, cfg, cfg.digest(), prompts, weights)
 
 
 def open_run(root: str | Path, run_id: str) -> Run:
@@ -165,7 +168,7 @@ def open_run(root: str | Path, run_id: str) -> Run:
         if not (run_dir / RUN_FILE).is_file() or (run_dir / RUN_FILE).read_bytes() != raw:
             write_json_atomic(run_dir / RUN_FILE, data)
     weights = data.get("weights")
-    return Run(run_id, run_dir, cfg, data["config_hash"], data.get("prompts_sha256"), weights, store.address)
+    return Run(run_id, run_dir, cfg, data["config_hash"], data.get("prompts_sha256"), weights)
 
 
 def set_shards(root: str | Path, run_id: str, shards: int) -> None:

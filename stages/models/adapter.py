@@ -22,8 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from solrl.config import ConfigError, ModelConfig, RunConfig, check_family
-from solrl.registry import MODELS
+from solrl.config import ConfigError, ModelConfig, RunConfig, registered_family
 from solrl.storage.fingerprint import folder_fingerprint
 from solrl.storage.stage import plain_modes
 
@@ -145,13 +144,13 @@ class ModelAdapter:
         ``tiny_twin`` beside the family's class).
 
         Raises:
-            ValueError: ``source`` is ``tiny`` and the family has no tiny twin.
+            ConfigError: ``source`` is ``tiny`` and the family has no tiny twin.
         """
         if source != "tiny":
             return cls
         twin = vars(cls).get("_tiny_twin")
         if twin is None:
-            raise ValueError(f"model.source=tiny: model family {cls.name} has no tiny twin; set model.source=weights")
+            raise ConfigError(f"model.source=tiny: model family {cls.name} has no tiny twin; set model.source=weights")
         return twin
 
     @classmethod
@@ -331,11 +330,7 @@ def model_family(cfg: ModelConfig) -> type[ModelAdapter]:
     Raises:
         ConfigError: an unknown family, or ``source=tiny`` for a family without a tiny twin.
     """
-    check_family(cfg.family)  # a run recorded with a tiny twin's old family name is told its model
-    try:
-        return MODELS.get(cfg.family).for_source(cfg.source)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+    return registered_family(cfg.family).for_source(cfg.source)  # an old tiny twin's name is told its model
 
 
 def tiny_twin(twin: type[ModelAdapter]) -> type[ModelAdapter]:
