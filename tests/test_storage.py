@@ -270,6 +270,28 @@ def test_two_runs_in_two_stores_in_one_process_log_to_their_own_mlflow_databases
         assert len(tracker.client.search_runs(experiment.experiment_id)) == 1
 
 
+def test_the_run_config_is_logged_whole_in_batches_of_mlflows_hundred_params(tmp_path: Path):
+    """One request per parameter cost a campaign about 20 s at its start against the stack's MLflow server (basic
+    auth checks each request's password); ``test_stack`` asserts that server saw no ``log-parameter`` request."""
+    from conftest import tiny_config
+    from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BATCH
+
+    from solrl.storage.runs import create_run
+    from solrl.storage.tracking import Tracker, _flatten, _log_params
+
+    run = create_run(tiny_config(tmp_path), "params")
+    tracker = Tracker(run)
+    logged = tracker.client.get_run(tracker.mlflow_run_id).data.params
+    expected = _flatten(run.config.model_dump(mode="json", exclude={"base_dir"}))
+    assert logged == {k: str(v) for k, v in expected.items()} | {"config_hash": run.config_hash}
+    # More than two batches, the last one short, and a value over MLflow's limit cut to it.
+    many = {f"p{i:03d}": i for i in range(2 * MAX_PARAMS_TAGS_PER_BATCH + 7)} | {"long": "x" * 7000}
+    other = tracker.client.create_run(tracker.experiment_id).info.run_id
+    _log_params(tracker.client, other, many)
+    logged = tracker.client.get_run(other).data.params
+    assert logged == {k: str(v) for k, v in many.items()} | {"long": "x" * MAX_PARAM_VAL_LENGTH}
+
+
 def test_two_processes_starting_runs_in_a_new_store_at_once_both_get_an_mlflow_run(tmp_path: Path):
     import subprocess
     import sys
