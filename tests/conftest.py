@@ -37,6 +37,25 @@ from solrl.config import RunConfig, list_presets, load_config  # noqa: E402
 
 torch.set_num_threads(1 if XDIST else min(2, torch.get_num_threads()))
 
+
+def pytest_configure(config: pytest.Config) -> None:
+    """One Prefect API server for each process that runs tests (an xdist worker, or pytest without xdist), and
+    ``PREFECT_API_URL`` set to it before Prefect is imported, so each ``solrl run`` of the tests talks to it. It
+    serves the database every temporary server of the process would open (``$PREFECT_HOME/prefect.db``); a
+    temporary server per command cost the suite about 230 CPU-seconds of server starts. The tests of the
+    temporary server itself run their commands in ``temporary_server_env()``."""
+    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
+        from solrl.flows.server import TemporaryServer
+
+        os.environ["PREFECT_API_URL"] = TemporaryServer().start().wait()  # stopped at exit, or with this process
+
+
+def temporary_server_env(**extra: str) -> dict[str, str]:
+    """This process's environment without ``PREFECT_API_URL``: a ``solrl`` command given it starts its own
+    temporary Prefect server, as a user's does."""
+    return {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"} | extra
+
+
 #: Overrides that make a tiny-digits run take seconds: 2 prompts x pool 8, keep 4, 2 iterations,
 #: a full-pool fidelity audit at iteration 2.
 TINY = [

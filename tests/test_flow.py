@@ -13,7 +13,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import TINY, tiny_config
+from conftest import TINY, temporary_server_env, tiny_config
 
 from solrl.stages.pipeline import ITERATION, campaign_plan
 from solrl.storage.runs import create_run, list_runs
@@ -80,7 +80,7 @@ def test_two_iteration_campaign_commits_every_stage_logs_mlflow_and_reruns_as_sk
 
 def test_sigkill_mid_iteration_then_resume_completes_and_skips_committed_stages(tmp_path: Path):
     store = tmp_path / "store"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PREFECT_LOGGING_LEVEL": "INFO"}
+    env = temporary_server_env(PYTHONUNBUFFERED="1", PREFECT_LOGGING_LEVEL="INFO")  # solrl's own server
     solrl = [sys.executable, "-m", "solrl.cli"]
     overrides = [a for o in [*TINY, f"storage.root={store}"] for a in ("--set", o)]
     proc = subprocess.Popen(
@@ -158,7 +158,7 @@ def test_two_first_runs_started_together_each_with_a_new_prefect_home_and_one_ne
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "solrl.cli", "run", *overrides, "--run-id", f"first{i}"],
-            env={**os.environ, "PREFECT_HOME": str(tmp_path / f"prefect{i}")},
+            env=temporary_server_env(PREFECT_HOME=str(tmp_path / f"prefect{i}")),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

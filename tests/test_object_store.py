@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import tiny_config
+from conftest import temporary_server_env, tiny_config
 from typer.testing import CliRunner
 
 from solrl.cli import app
@@ -284,7 +284,8 @@ KEY_ID, SECRET = "AKIASOLRLLEAKCHECK42", "solrl-leak-check-secret-9f8e7d6c5b4a"
 
 
 def _cli_env(endpoint: str, tmp_path: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    # its own temporary Prefect server, whose database in PREFECT_HOME is searched for the credentials
+    env = {k: v for k, v in temporary_server_env().items() if not k.startswith("AWS_")}
     env |= {
         "AWS_ACCESS_KEY_ID": KEY_ID,
         "AWS_SECRET_ACCESS_KEY": SECRET,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import TINY, tiny_config
+from conftest import TINY, temporary_server_env, tiny_config
 
 from solrl.stages.pipeline import campaign_plan
 from solrl.storage.stage import read_manifest
@@ -21,7 +21,7 @@ from solrl.storage.stage import read_manifest
 pytestmark = pytest.mark.slow
 
 SOLRL = [sys.executable, "-m", "solrl.cli"]
-ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+ENV = temporary_server_env(PYTHONUNBUFFERED="1")  # the temporary Prefect server is what it is about
 
 
 def start_run(store: Path, run_id: str) -> subprocess.Popen[str]:
