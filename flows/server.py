@@ -10,12 +10,16 @@ Prefect's ephemeral mode does) with three differences:
   solrl, SIGKILL included, leaves it behind; and it runs in its own session, so a Ctrl-C to solrl's process
   group does not stop it before solrl has recorded the interruption;
 - it starts in the background once the command line and the run are checked, while the flow's modules load;
-- the wait for its health check is ``SOLRL_PREFECT_START_TIMEOUT`` seconds (default 180), not 20.
+- the wait for its health check is ``SOLRL_PREFECT_START_TIMEOUT`` seconds (default 180), not 20;
+- servers of one ``PREFECT_HOME`` start one at a time (a lock file there, held from ``start`` until the health
+  check answers): two started together on a new database both ran its migrations, and one failed ("Online
+  migration expected to match one row").
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import socket
 import subprocess
@@ -49,6 +53,7 @@ class TemporaryServer:
         self.api_url = f"http://127.0.0.1:{self.port}/api"
         self.process: subprocess.Popen[bytes] | None = None
         self._log: Path | None = None
+        self._start_lock: int | None = None  # the lock file's descriptor, from start() until the server answers
 
     def start(self) -> TemporaryServer:
         import importlib.util
@@ -57,6 +62,8 @@ class TemporaryServer:
         assert spec is not None and spec.origin is not None, "prefect is not installed"
         home = Path(os.environ.get("PREFECT_HOME", Path.home() / ".prefect")).expanduser()
         home.mkdir(parents=True, exist_ok=True)
+        self._start_lock = os.open(home / ".solrl-server-start.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(self._start_lock, fcntl.LOCK_EX)  # another process's server is starting on this database
         self._log = home / f"solrl-server-{self.port}.log"
         env = {
             **os.environ,
@@ -113,6 +120,7 @@ class TemporaryServer:
                     break
                 try:
                     if client.get(f"{self.api_url}/health").status_code == 200:
+                        self._release_start_lock()
                         return self.api_url
                 except httpx.HTTPError:
                     pass
@@ -126,8 +134,14 @@ class TemporaryServer:
             f"SOLRL_PREFECT_START_TIMEOUT or set PREFECT_API_URL to a running server)\n{tail}"
         )
 
+    def _release_start_lock(self) -> None:
+        lock, self._start_lock = self._start_lock, None
+        if lock is not None:
+            os.close(lock)  # closing the descriptor releases the flock
+
     def stop(self) -> None:
         """Terminate the server (SIGKILL after 5 s) and remove its log; safe to call twice."""
+        self._release_start_lock()
         process, self.process = self.process, None
         if process is not None and process.poll() is None:
             process.terminate()

@@ -125,6 +125,27 @@ def test_a_temporary_server_that_does_not_answer_in_time_is_stopped_with_a_clear
     assert process.poll() is not None and server.process is None
 
 
+def test_two_temporary_servers_started_together_on_a_new_database_both_answer(tmp_path: Path):
+    """Two ``solrl run`` started at once on a new machine: their temporary servers share ``$PREFECT_HOME``'s new
+    database, and both ran its migrations; one failed ("Online migration expected to match one row", seen when
+    the test processes' own servers started together). They now start one at a time."""
+    script = (
+        "from solrl.flows.server import TemporaryServer\n"
+        "server = TemporaryServer().start()\nprint(server.wait(timeout=120), flush=True)\nserver.stop()\n"
+    )
+    env = temporary_server_env(PREFECT_HOME=str(tmp_path / "new-home"))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in "ab"
+    ]
+    outputs = [proc.communicate(timeout=300) for proc in procs]
+    for proc, (out, err) in zip(procs, outputs, strict=True):
+        assert proc.returncode == 0 and out.startswith("http://127.0.0.1:"), err[-3000:]
+    assert (tmp_path / "new-home" / "prefect.db").exists()
+
+
 def test_sigterm_while_the_run_is_being_set_up_exits_143_with_the_resume_line(tmp_path: Path):
     store = tmp_path / "store"
     proc = start_run(store, "early")
