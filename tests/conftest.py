@@ -45,6 +45,8 @@ def pytest_configure(config: pytest.Config) -> None:
     temporary server per command, those servers took 226 of the suite's 2,300 CPU-seconds, and a fresh clone's
     tests 1016 s against 916 s with this (2 cores). The tests of the temporary server itself run their commands
     in ``temporary_server_env()``."""
+    if config.option.collectonly or config.option.help:
+        return
     if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
         from solrl.flows.server import TemporaryServer
 

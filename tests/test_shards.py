@@ -257,6 +257,7 @@ def test_a_ray_address_that_does_not_answer_is_one_line_and_exit_2_before_any_wo
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect"))
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)  # solrl's own temporary server, which must not have started
     store = tmp_path / "runs"
     args = ["run", "tiny-digits", "--set", f"storage.root={store}"]
     for item in sets:
