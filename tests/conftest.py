@@ -59,6 +59,13 @@ def temporary_server_env(**extra: str) -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"} | extra
 
 
+@pytest.fixture
+def own_prefect_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An in-process ``solrl`` command of the test starts its own temporary Prefect server, as a user's does
+    (``PREFECT_API_URL`` unset for the test): for the tests that check it started none."""
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+
+
 #: Overrides that make a tiny-digits run take seconds: 2 prompts x pool 8, keep 4, 2 iterations,
 #: a full-pool fidelity audit at iteration 2.
 TINY = [

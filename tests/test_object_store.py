@@ -366,6 +366,7 @@ def test_a_campaign_through_the_cli_on_s3_keeps_the_credentials_out_of_everythin
         ("credentials in the URI", "s3://AKIAX:topsecret@bucket/runs", {}, "carries credentials"),
     ],
 )
+@pytest.mark.usefixtures("own_prefect_server")  # checks that solrl started no Prefect server
 def test_an_object_store_that_cannot_be_used_is_one_line_and_exit_2_before_any_work(
     s3_server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str, root, env_change: dict, message: str
 ):
@@ -374,7 +375,6 @@ def test_an_object_store_that_cannot_be_used_is_one_line_and_exit_2_before_any_w
     for name, value in {**_cli_env(s3_server, tmp_path), "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent"}.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
-    monkeypatch.delenv("PREFECT_API_URL", raising=False)  # solrl's own temporary server, which must not have started
     bucket = f"solrl-{os.urandom(6).hex()}"
     boto3.client("s3", endpoint_url=s3_server, aws_access_key_id=KEY_ID, aws_secret_access_key=SECRET).create_bucket(
         Bucket=bucket
@@ -391,6 +391,7 @@ def test_an_object_store_that_cannot_be_used_is_one_line_and_exit_2_before_any_w
     assert "Contents" not in s3.list_objects_v2(Bucket=bucket)
 
 
+@pytest.mark.usefixtures("own_prefect_server")  # checks that solrl started no Prefect server
 def test_a_key_the_store_denies_is_one_line_and_exit_2_before_any_work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """A server that checks every request against IAM (moto's, after its first 3 requests: the bucket, a user, its
     key): a user with no policy is denied, and ``solrl run`` says so in one line, with nothing written."""
@@ -407,9 +408,6 @@ def test_a_key_the_store_denies_is_one_line_and_exit_2_before_any_work(tmp_path:
         env |= {"AWS_ACCESS_KEY_ID": key["AccessKeyId"], "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"]}
         for name, value in env.items():
             monkeypatch.setenv(name, value)
-        monkeypatch.delenv(
-            "PREFECT_API_URL", raising=False
-        )  # solrl's own temporary server, which must not have started
         ran = runner.invoke(app, ["run", "tiny-digits", "--set", "storage.root=s3://solrl-denied/runs"])
     lines = [line for line in ran.stderr.splitlines() if line.strip()]
     assert ran.exit_code == 2 and len(lines) == 1, ran.output

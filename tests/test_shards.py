@@ -245,6 +245,7 @@ def test_a_dask_address_that_does_not_answer_is_one_line_naming_the_field(tmp_pa
         (["train.launcher=ray"], {"RAY_ADDRESS": "no-port"}, "RAY_ADDRESS=no-port: not a Ray address"),
     ],
 )
+@pytest.mark.usefixtures("own_prefect_server")  # checks that solrl started no Prefect server
 def test_a_ray_address_that_does_not_answer_is_one_line_and_exit_2_before_any_work(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sets: list[str], env: dict[str, str], field: str
 ):
@@ -257,7 +258,6 @@ def test_a_ray_address_that_does_not_answer_is_one_line_and_exit_2_before_any_wo
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect"))
-    monkeypatch.delenv("PREFECT_API_URL", raising=False)  # solrl's own temporary server, which must not have started
     store = tmp_path / "runs"
     args = ["run", "tiny-digits", "--set", f"storage.root={store}"]
     for item in sets:
