@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE ?= 1
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export DO_NOT_TRACK ?= 1
 
-.PHONY: demo test lint docs docs-serve screenshots install clean
+.PHONY: demo test lint docs docs-serve screenshots gpu-kit install clean
 
 # pip byte-compiles the environment (about 25 s): keep it. Where PYTHONDONTWRITEBYTECODE is set (this project's
 # machines set it) nothing a process imports is ever cached, and without pip's .pyc files every process compiles
@@ -53,6 +53,10 @@ docs-serve: install
 # UI, photographed in headless Chromium (Debian's chromium package). Minutes, not part of `make test`.
 screenshots: install
 	$(BIN)/python docs/screenshots.py --out docs/images/screenshots
+
+# The wheels a GPU machine without a network needs for bench/gpu_session.sh, into .whl/ (docs/development/benchmarks.md).
+gpu-kit: $(BIN)/.installed
+	PYTHON=$(BIN)/python bench/gpu_kit.sh
 
 # Two pytest-xdist workers, one test file each at a time (module fixtures stay shared), one thread each
 # (tests/conftest.py): most of the suite waits on subprocesses and servers, so two workers halve its time on two cores.

@@ -6,14 +6,16 @@ without an edit here), its transformer and VAE built by the family's own ``meta_
 sampled through the adapter's own ``velocity`` on ``conditioning_like`` text embeddings (the shapes its text
 encoders give, random values) and ``latent_shape`` noise at the preset's resolution. Batch 24, ``--steps`` Euler
 steps. Layers are quantized by the preset's Sol-RL skip rule (the adapter's NVFP4 skip list and
-``max(in, out) <= explore.min_dim``). For each precision this machine runs (bf16, fp8, nvfp4 via Transformer Engine;
-fp8_emulated / nvfp4_emulated fake-quant for comparison), eager and with the repeated blocks compiled
-(``explore.compile``; the Sol-RL release compiles both copies with ``max-autotune-no-cudagraphs`` and measures its
-speed-ups against a compiled BF16 baseline, so the last column compares each row with compiled bf16), it reports
-images per second, the compile seconds, the seconds to build (merge + quantize) the explore copy, and peak GPU
-memory. Transformer Engine's layers are compiled around (they run eager inside the compiled blocks). One script, no
-network; writes its tables to ``$OUT/gpu_explore.md`` when ``OUT`` is set. On an H200 the emulated rows at batch 24
-may take minutes: pick with ``--presets``, ``--precisions`` and ``--compile``.
+``max(in, out) <= explore.min_dim``). For each precision this machine runs (bf16; fp8, nvfp4 via Transformer Engine;
+torchao_fp8, torchao_nvfp4 via torchao; fp8_emulated / nvfp4_emulated fake-quant for comparison), eager and with the
+repeated blocks compiled (``explore.compile``; the Sol-RL release compiles both copies with
+``max-autotune-no-cudagraphs`` and measures its speed-ups against a compiled BF16 baseline, so the last column
+compares each row with compiled bf16), it reports images per second, the compile seconds, the seconds to build
+(merge + quantize) the explore copy, the copy's bytes as built beside what the memory plan counts for it (Transformer
+Engine's and torchao's are counted from shapes, so only a GPU checks them), and peak GPU memory. Transformer
+Engine's layers are compiled around (they run eager inside the compiled blocks). One script, no network; writes
+its tables to ``--out``, else ``$OUT/gpu_explore.md`` when ``OUT`` is set, after each preset. On an H200
+the emulated rows at batch 24 may take minutes: pick with ``--presets``, ``--precisions`` and ``--compile``.
 
     python bench/gpu_explore.py                          # on a GPU: every published preset, eager and compiled
     python bench/gpu_explore.py --presets sana-1600m --batch 8 --compile compiled
@@ -38,7 +40,8 @@ from solrl.config import RunConfig, list_presets, load_config
 from solrl.registry import EXPLORE_BACKENDS
 from solrl.stages.models import model_family
 from solrl.stages.models.adapter import ModelAdapter
-from solrl.stages.quant.availability import runnable_precisions, unavailable_reason
+from solrl.stages.models.policy import owned_bytes
+from solrl.stages.quant.availability import HARDWARE, runnable_precisions, unavailable_reason
 from solrl.stages.sampling.compiled import compiled_blocks
 from solrl.weights import published_presets
 
@@ -69,9 +72,22 @@ def explore_copy(net: torch.nn.Module, precision: str, skip: tuple[str, ...], mi
         from solrl.stages.quant.backends import emulated_copy
 
         return emulated_copy(net, precision.removesuffix("_emulated"), skip, min_dim)
+    if precision.startswith("torchao_"):
+        from solrl.stages.quant.ao import ao_explore_copy
+
+        return ao_explore_copy(net, precision, skip, min_dim)
     from solrl.stages.quant.hardware import te_explore_copy
 
     return te_explore_copy(net, precision, skip, min_dim)
+
+
+def planned_copy_gib(net: torch.nn.Module, precision: str, skip: tuple[str, ...], min_dim: int) -> str:
+    """The memory plan's explore copy of ``net`` in GiB (``copy_bytes``), for the backends whose copy the plan
+    counts from shapes (Transformer Engine, torchao: their tensors need a GPU, so only a GPU checks the count).
+    The emulated copies are measured by the plan itself (built on the meta device), and bf16 has none: "-"."""
+    if precision == "bf16" or precision.endswith("_emulated"):
+        return "-"
+    return f"{EXPLORE_BACKENDS.get(precision).copy_bytes(net, skip, min_dim) / 2**30:.2f}"
 
 
 def sync(device: torch.device) -> None:
@@ -113,7 +129,7 @@ def run_case(preset: str, args: argparse.Namespace, device: torch.device) -> str
     for precision in args.precisions:
         reason = unavailable_reason(precision)
         if reason is not None:
-            rows.append((precision, "-", None, f"| - | - | - | - | - | not run: {reason} |"))
+            rows.append((precision, "-", None, f"| - | - | - | - | - | - | - | not run: {reason} |"))
             continue
         for compiled in variants:
             label = "compiled" if compiled else "eager"
@@ -125,6 +141,9 @@ def run_case(preset: str, args: argparse.Namespace, device: torch.device) -> str
                 copy_net = explore_copy(net, precision, skip, min_dim)
                 sync(device)
                 copy_seconds = time.perf_counter() - start
+                copy_gib = (
+                    f"{owned_bytes(copy_net, net) / 2**30:.2f} | {planned_copy_gib(net, precision, skip, min_dim)}"
+                )
                 compile_seconds = float("nan")
                 if compiled:
                     eager = EXPLORE_BACKENDS.get(precision).eager_layer
@@ -136,12 +155,13 @@ def run_case(preset: str, args: argparse.Namespace, device: torch.device) -> str
                     seconds = measure(adapter, copy_net, batch, args.steps, device)
             except Exception as exc:  # one failing backend must not hide the others' rows
                 failed = f"failed: {exc.__class__.__name__}: {str(exc)[:160]}"
-                rows.append((precision, label, None, f"| - | - | - | - | - | {failed} |"))
+                rows.append((precision, label, None, f"| - | - | - | - | - | - | - | {failed} |"))
                 continue
             peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
             measured[precision, label] = seconds
             cells = (
-                f"| {batch / seconds:.2f} | {seconds:.2f} | {compile_seconds:.1f} | {copy_seconds:.2f} | {peak:.1f} |"
+                f"| {batch / seconds:.2f} | {seconds:.2f} | {compile_seconds:.1f} | {copy_seconds:.2f} | {copy_gib} "
+                f"| {peak:.1f} |"
             )
             rows.append((precision, label, seconds, cells))
             del copy_net
@@ -157,9 +177,9 @@ def run_case(preset: str, args: argparse.Namespace, device: torch.device) -> str
             f"{preset} ({cfg.model.family}, {'smoke' if args.smoke else 'published size'}, {params / 1e6:.0f}M "
             f"params, {resolution} px), batch {batch}, {args.steps} steps, min_dim {min_dim}",
             "",
-            "| precision | run | images/s | s per batch | compile s | copy build s (merge + quantize) | peak GiB "
-            "| speed-up over compiled bf16 |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+            "| precision | run | images/s | s per batch | compile s | copy build s (merge + quantize) "
+            "| copy GiB (built) | copy GiB (planned) | peak GiB | speed-up over compiled bf16 |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
             *lines,
         ]
     )
@@ -171,12 +191,14 @@ def main() -> None:
     parser.add_argument("--presets", nargs="+", default=None, help="default: every published preset (--smoke: tiny)")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--batch", type=int, default=24, help="images per batch (Sol-RL's rollout batch: 24)")
-    parser.add_argument("--precisions", nargs="+", default=["bf16", "fp8", "nvfp4", "fp8_emulated", "nvfp4_emulated"])
+    parser.add_argument("--precisions", nargs="+", default=["bf16", *HARDWARE, "fp8_emulated", "nvfp4_emulated"])
     parser.add_argument("--compile", choices=["eager", "compiled", "both"], default="both")
     parser.add_argument(
         "--mode", default=None, help="torch.compile mode; default max-autotune-no-cudagraphs on a GPU (as Sol-RL)"
     )
+    parser.add_argument("--out", type=Path, default=None, help="the tables' file (default $OUT/gpu_explore.md)")
     args = parser.parse_args()
+    out = args.out or (Path(os.environ["OUT"], "gpu_explore.md") if os.environ.get("OUT") else None)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and not args.smoke:
         raise SystemExit("no CUDA device: run with --smoke for a CPU check of the script")
@@ -187,10 +209,10 @@ def main() -> None:
     for preset in args.presets or (tiny_presets() if args.smoke else published_presets()):
         tables.append(run_case(preset, args, device))
         print(tables[-1] + "\n", flush=True)
+        if out is not None:  # after each preset: a run stopped at its time limit keeps the tables it made
+            out.write_text("\n\n".join(tables) + "\n")
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "gpu_explore.md").write_text("\n\n".join(tables) + "\n")
 
 
 if __name__ == "__main__":

@@ -20,15 +20,18 @@ Every check the CPU cannot make (issue 35), each writing one markdown table (to 
 
 NVFP4 needs sm_100 (Blackwell): on an H200 (sm_90) its rows say so and only FP8 runs.
 
-On a lent GPU, from a fresh clone (PyPI's Linux torch wheels are CUDA builds). torchao's checks need nothing more;
-Transformer Engine's PyTorch extension has no wheel on PyPI (``pip download --only-binary=:all:
-transformer-engine-torch`` finds none), so its install compiles it against the installed torch and needs the CUDA
-toolkit (minutes); run the script before and after it, or once after:
+On a GPU machine without a network (the project's borrowed test GPUs) it is one step of ``bench/gpu_session.sh``,
+which runs it with the wheels ``make gpu-kit`` prepares (docs/development/benchmarks.md). Transformer Engine cannot
+travel there (its CUDA core wheel alone is 276 MB, a command takes 64 MiB of files), so there its rows say it is
+not importable and torchao's run. On a GPU machine with a network, after ``pip install -e '.[test]'``:
 
-    python -m venv .venv && .venv/bin/pip install -e '.[test]'
     OUT=$OUT .venv/bin/python bench/gpu_smoke.py                       # torchao and the emulation, no TE
     .venv/bin/pip install --no-build-isolation 'transformer-engine[pytorch]>=2.9'
     OUT=$OUT .venv/bin/python bench/gpu_smoke.py                       # every check
+
+Transformer Engine's PyTorch extension has no wheel on PyPI (``pip download --only-binary=:all:
+transformer-engine-torch`` finds none), so its install compiles it against the installed torch and needs the CUDA
+toolkit (minutes).
 
 On a machine without a GPU it runs what it can and says why the rest did not run (``tests/test_hardware.py``).
 """

@@ -84,22 +84,34 @@ def test_torchao_weight_bytes_and_the_layers_it_takes():
     assert not ao_takes("ff.conv", nn.Conv2d(48, 32, 1), (), 0)  # torchao quantizes Linears only
 
 
-def test_the_gpu_smoke_script_writes_every_table_and_says_why_a_check_did_not_run(tmp_path):
-    """bench/gpu_smoke.py, kept ready for a lent GPU: on this machine every check writes its table, each row
-    that needs a GPU or Transformer Engine giving the reason it did not run."""
+def test_the_gpu_session_runs_every_step_and_the_smoke_script_says_why_a_check_did_not_run(tmp_path):
+    """bench/gpu_session.sh, kept ready for a lent GPU, with SMOKE=1 on this machine: every step (the smoke script,
+    both explore benchmarks, the memory plan) exits 0 and writes its table; each row of bench/gpu_smoke.py that needs
+    a GPU or Transformer Engine gives the reason it did not run."""
     import os
+    import re
     import subprocess
     import sys
 
-    script = Path(__file__).resolve().parents[1] / "bench" / "gpu_smoke.py"
-    env = {**os.environ, "OUT": str(tmp_path)}
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OUT": str(tmp_path), "SMOKE": "1", "PY": sys.executable, "WHEELS": str(tmp_path / "none")}
+    done = subprocess.run(
+        ["bash", "bench/gpu_session.sh"], cwd=root, env=env, capture_output=True, text=True, timeout=400
+    )
+    assert done.returncode == 0, done.stdout[-3000:]
+    steps = re.findall(r"^### (.+): exit (\d+) after", done.stdout, re.MULTILINE)
+    assert [name for name, _ in steps] == ["versions", "smoke", "explore", "compiled", "plan tiny-sd3"]
+    assert all(rc == "0" for _, rc in steps), done.stdout[-3000:]
     tables = (tmp_path / "gpu_smoke.md").read_text()
     assert tables.count("\n## ") == 6 and "failed" not in tables
     if not torch.cuda.is_available():
         # Checks 2 and 3: a row per TE precision; 4 to 6: a row per quantized explore backend.
         assert tables.count("not run: this machine has no CUDA device") == 2 + 2 + 3 * 4
+    for name in ("gpu_explore.md", "gpu_explore_compiled.md"):
+        explore = (tmp_path / name).read_text()
+        assert "tiny-sd3 (sd3, smoke" in explore and "| bf16 | eager |" in explore and "failed" not in explore
+    assert "| explore |" in (tmp_path / "plan.md").read_text()
+    assert (tmp_path / "session.log").read_text().count("### ") == 2 * len(steps)
 
 
 def _te_source() -> Path:

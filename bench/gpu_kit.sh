@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The wheels a GPU machine without a network needs for bench/gpu_session.sh, downloaded here into .whl/ (git-ignored).
+#
+# The project's borrowed test GPUs (docs/development/benchmarks.md) reach no package registry. Their image holds
+# Python 3.12, a CUDA torch, transformers, huggingface_hub, safetensors, accelerate, numpy, pyarrow, typer, rich and
+# pytest, but not diffusers, pydantic or torchao. A command takes at most 64 MiB of files, the working tree included. So this script downloads, for
+# CPython 3.12 on manylinux x86-64, the wheels of the packages below at the versions installed in this checkout's
+# .venv (those `make test` ran with), and builds solrl's own wheel: about 16 MiB together.
+#
+#   make gpu-kit            # or: bench/gpu_kit.sh
+#
+# Transformer Engine cannot travel this way: its CUDA 13 core wheel alone is 276 MB (transformer_engine_cu13 2.20.2;
+# 262 MB recompressed with zstd -19), and its PyTorch extension is a source distribution built against the core.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-.venv/bin/python}
+# What the image lacks (diffusers, pydantic and its parts, torchao) and what solrl needs newer than the image may
+# hold (typing-extensions for pydantic; peft at the version the tests ran with).
+PACKAGES=(diffusers pydantic pydantic-core annotated-types typing-inspection typing-extensions torchao peft)
+LIMIT_MIB=40
+
+pins=()
+for name in "${PACKAGES[@]}"; do
+  version=$("$PYTHON" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$name") \
+    || { echo "gpu_kit: $name is not installed in $PYTHON's environment (make install first)" >&2; exit 1; }
+  pins+=("$name==$version")
+done
+
+rm -rf .whl && mkdir -p .whl
+"$PYTHON" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
+  --platform manylinux2014_x86_64 -d .whl "${pins[@]}"
+"$PYTHON" -m pip wheel --quiet --no-deps --no-build-isolation -w .whl .
+
+size_mib=$(( $(du -sb .whl | cut -f1) / 1048576 ))
+ls -1 .whl
+echo "gpu_kit: ${#pins[@]} wheels and solrl's in .whl/, ${size_mib} MiB (a GPU command takes 64 MiB with the tree)"
+if (( size_mib > LIMIT_MIB )); then
+  echo "gpu_kit: .whl/ is over ${LIMIT_MIB} MiB" >&2
+  exit 1
+fi
