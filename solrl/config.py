@@ -628,7 +628,7 @@ class RunConfig(_Section):
         from solrl.registry import EXPLORE_BACKENDS, LOSSES, REWARDS
 
         registered_family(self.model.family).for_source(self.model.source).validate_config(self)
-        _registered(EXPLORE_BACKENDS, self.explore.precision, "explore.precision")
+        _registered(EXPLORE_BACKENDS, self.explore.precision, "explore.precision").validate_config(self)
         _registered(LOSSES, self.train.loss, "train.loss").validate_config(self)
         rewards = self.reward
         for name in rewards.weights:

@@ -193,6 +193,14 @@ def test_hardware_precision_without_the_hardware_is_valid_but_refused_where_work
         check_runnable(cfg)
 
 
+def test_torchao_fp8_of_float32_weights_is_refused_when_the_config_loads():
+    """torchao's per-row FP8 asserts bf16 weights: a float32 policy would have crashed at the first explore."""
+    with pytest.raises(ConfigError, match=r"explore.precision=torchao_fp8 quantizes bfloat16 weights only .* set "):
+        load_config(None, ["explore.precision=torchao_fp8", "model.dtype=float32"])
+    load_config(None, ["explore.precision=torchao_fp8", "model.dtype=bfloat16"])
+    load_config(None, ["explore.precision=torchao_nvfp4", "model.dtype=float32"])  # NVFP4Tensor takes float32
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks a machine without CUDA")
 def test_cuda_device_without_cuda_is_valid_but_refused_where_work_starts():
     cfg = load_config(None, ["model.device=cuda"])

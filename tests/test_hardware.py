@@ -84,6 +84,16 @@ def test_torchao_weight_bytes_and_the_layers_it_takes():
     assert not ao_takes("ff.conv", nn.Conv2d(48, 32, 1), (), 0)  # torchao quantizes Linears only
 
 
+def test_a_torchao_fp8_copy_of_float32_weights_is_refused_before_torchao_asserts():
+    """``ao_explore_copy`` checks the weights' dtype first (torchao's own check is an AssertionError deep inside
+    ``quantize_``, and on this machine its hardware check would come first)."""
+    from solrl.stages.quant.ao import ao_explore_copy
+
+    net = nn.Sequential(nn.Linear(32, 48), nn.GELU(), nn.Linear(48, 32))
+    with pytest.raises(ValueError, match=r"torchao_fp8 quantizes bfloat16 weights only .* weights are float32"):
+        ao_explore_copy(net, "torchao_fp8", (), 0)
+
+
 def test_the_gpu_session_runs_every_step_and_the_smoke_script_says_why_a_check_did_not_run(tmp_path):
     """bench/gpu_session.sh, kept ready for a lent GPU, with SMOKE=1 on this machine: every step (the smoke script,
     both explore benchmarks, the memory plan) exits 0 and writes its table; each row of bench/gpu_smoke.py that needs

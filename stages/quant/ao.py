@@ -59,6 +59,14 @@ def ao_reason() -> str | None:
     return None
 
 
+def ao_dtype_error(precision: str, dtype: str) -> str:
+    """The one-line refusal of ``precision`` for weights of ``dtype`` (torchao's per-row FP8 takes bf16 only)."""
+    return (
+        f"explore.precision={precision} quantizes bfloat16 weights only (torchao's per-row FP8), and the policy's "
+        f"weights are {dtype}: set model.dtype=bfloat16 (auto is bfloat16 on CUDA) or explore.precision=fp8"
+    )
+
+
 def ao_takes(name: str, layer: nn.Module, skip: tuple[str, ...], min_dim: int) -> bool:
     """Whether torchao quantizes this layer: an ``nn.Linear`` the skip rule quantizes with ``in`` and ``out`` % 16
     (torchao's NVFP4 handler raises otherwise; ``torch._scaled_mm`` wants K and N % 16 for FP8)."""
@@ -112,12 +120,21 @@ def ao_explore_copy(transformer: nn.Module, precision: str, skip: tuple[str, ...
     ``net.ao_layers`` names the quantized layers (``ao_sync_``).
 
     Raises:
-        ValueError: bad precision. ImportError: torchao lacks the config. AssertionError (torchao's): no GPU of
-        the capability the config needs.
+        ValueError: bad precision; ``torchao_fp8`` of weights not in bfloat16 (torchao asserts it).
+        ImportError: torchao lacks the config. AssertionError (torchao's): no GPU of the capability the config
+        needs.
     """
-    from solrl.stages.models.policy import merged_copy_of
+    from solrl.stages.models.policy import copy_layers, merged_copy_of
 
     config = ao_config(precision)
+    if precision == "torchao_fp8":
+        dtypes = {
+            layer.weight.dtype for name, layer, _ in copy_layers(transformer) if ao_takes(name, layer, skip, min_dim)
+        }
+        if dtypes - {torch.bfloat16}:
+            raise ValueError(
+                ao_dtype_error(precision, ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes)))
+            )
     quantized: set[str] = set()
 
     def convert(name: str, layer: nn.Module, weight: torch.Tensor) -> nn.Module | None:

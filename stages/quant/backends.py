@@ -22,13 +22,14 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from solrl.registry import EXPLORE_BACKENDS, register_explore_backend
 from solrl.stages.models.policy import Policy, merged_copy_of, owned_bytes
+from solrl.stages.quant.ao import ao_dtype_error
 from solrl.stages.quant.availability import check_precision, unavailable_reason
 from solrl.stages.quant.nvfp4 import FakeQuantLinear, layer_eligible, quantize_model_
 from solrl.stages.sampling.compiled import CompileStats, compiled_blocks
@@ -50,6 +51,11 @@ class ExploreBackend:
     def unavailable_reason(cls) -> str | None:
         """None when this backend runs on this machine, else why not (one sentence)."""
         return unavailable_reason(cls.name)
+
+    @classmethod
+    def validate_config(cls, cfg: Any) -> None:
+        """Raises ValueError where the ``RunConfig`` asks this backend for something it cannot do (pure: the
+        machine is ``unavailable_reason``'s business). The default accepts every config."""
 
     @classmethod
     def eager_layer(cls, module: nn.Module) -> bool:
@@ -236,6 +242,14 @@ class TorchAOFP8(_TorchAO):
     Blackwell."""
 
     name = "torchao_fp8"
+
+    @classmethod
+    def validate_config(cls, cfg: Any) -> None:
+        """torchao's per-row FP8 quantizes bfloat16 weights only (``Float8DynamicActivationFloat8WeightConfig`` with
+        ``PerRow`` asserts ``weight.dtype == torch.bfloat16``), so ``model.dtype=float32`` is refused here, before
+        the first explore; ``auto`` is bfloat16 on CUDA."""
+        if cfg.model.dtype == "float32":
+            raise ValueError(ao_dtype_error(cls.name, "float32"))
 
 
 @register_explore_backend("torchao_nvfp4")
