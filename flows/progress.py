@@ -16,6 +16,7 @@ from contextlib import contextmanager
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Column
 
 
 def format_seconds(seconds: float) -> str:
@@ -45,15 +46,20 @@ class CampaignProgress:
         self._where = ""
         self._progress: Progress | None = None
         if live:
+            # The evaluation takes what width is left and is cut with an ellipsis: everything before it keeps
+            # its width (a long evaluation squeezed the stage and the ETA to a few characters).
             self._progress = Progress(
-                TextColumn("[bold]{task.fields[where]}"),
+                TextColumn("[bold]{task.fields[where]}", table_column=Column(no_wrap=True)),
                 BarColumn(bar_width=24),
-                TextColumn("{task.completed}/{task.total} stages"),
+                TextColumn("{task.completed}/{task.total} stages", table_column=Column(no_wrap=True)),
                 TimeElapsedColumn(),
-                TextColumn("ETA {task.fields[eta]}"),
-                TextColumn("{task.fields[evaluation]}"),
+                TextColumn("ETA {task.fields[eta]}", table_column=Column(no_wrap=True)),
+                TextColumn(
+                    "{task.fields[evaluation]}", table_column=Column(ratio=1, no_wrap=True, overflow="ellipsis")
+                ),
                 console=console or Console(stderr=True),
                 transient=False,
+                expand=True,
             )
             self._task = self._progress.add_task("campaign", total=self.total, where="", eta="", evaluation="")
             self._progress.start()

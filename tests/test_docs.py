@@ -109,6 +109,22 @@ def test_the_reward_plugin_example_registers_and_scores():
         REWARDS._entries.pop(name, None)
 
 
+def test_the_extending_page_names_every_built_in_plugin():
+    """docs/extending/index.md's table lists each registry's built-in names, no more and no fewer."""
+    from solrl.registry import EXPLORE_BACKENDS, LOSSES, MODELS, REWARDS
+
+    page = (REPO / "docs" / "extending" / "index.md").read_text()
+    rows = {cells[1]: cells[4] for cells in (line.split("|") for line in page.splitlines() if line.startswith("| `"))}
+    for point, registry in [
+        (" `model.family` ", MODELS),
+        (" `reward.weights`, `reward.evaluate` ", REWARDS),
+        (" `explore.precision` ", EXPLORE_BACKENDS),
+        (" `train.loss` ", LOSSES),
+    ]:
+        listed = set(re.findall(r"`([^`]+)`", rows[point].split("(")[0]))
+        assert listed == set(registry.index()), (point, listed ^ set(registry.index()))
+
+
 def test_the_configuration_guide_extends_example_loads_as_it_says(tmp_path: Path):
     from solrl.config import load_config
 

@@ -26,6 +26,23 @@ def test_the_live_line_shows_iteration_stage_elapsed_eta_and_the_latest_evaluati
     assert "digit_evaluator 0.430" in text
 
 
+def test_a_long_evaluation_is_cut_at_the_terminal_width_and_the_stage_and_eta_keep_theirs():
+    """At 120 columns tiny-digits' evaluation metrics squeezed the stage name and the ETA to a few letters."""
+    import re
+
+    out = io.StringIO()
+    plan = [(0, ["evaluate"]), (1, ["explore", "score_regenerate", "update", "evaluate"])]
+    progress = CampaignProgress(plan, live=True, console=Console(file=out, force_terminal=True, width=120))
+    metrics = {"digit_alignment": 0.402, "digit_evaluator": 0.428, "jpeg_compressibility": -0.787, "diversity": 0.184}
+    progress.stage_done(0, "evaluate", 2.0, skipped=False, metrics={f"eval/{k}": v for k, v in metrics.items()})
+    progress.stage_started(1, "score_regenerate")
+    progress.close()
+    lines = re.split(r"[\r\n]", re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out.getvalue()))
+    line = [x for x in lines if "score_regenerate" in x][-1].rstrip()
+    assert "iteration 1/1 score_regenerate" in line and "1/5 stages" in line and "ETA 0:00:08" in line
+    assert "digit_alignment 0.402" in line and line.endswith("…") and len(line) <= 120
+
+
 def test_skipped_stages_count_toward_progress_but_not_toward_the_eta():
     plan = [(0, ["evaluate"]), (1, ["explore", "update"])]
     progress = CampaignProgress(plan, live=False)
