@@ -221,7 +221,9 @@ class TinyDigits(ModelAdapter):
         from diffusers import SanaTransformer2DModel
 
         dtype = torch.float32 if cfg.dtype == "auto" else getattr(torch, cfg.dtype)  # a CPU model: float32 by default
-        transformer = SanaTransformer2DModel.from_pretrained(root / "transformer").to(device, dtype)
+        # torch_dtype, not .to(dtype): diffusers warns on every cast by .to() of a model class declaring
+        # _keep_in_fp32_modules, even an empty list.
+        transformer = SanaTransformer2DModel.from_pretrained(root / "transformer", torch_dtype=dtype).to(device)
         text_encoder = None
         if text_encoders:
             text_encoder = TinyTextEncoder()
