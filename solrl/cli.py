@@ -422,6 +422,7 @@ def resume(
 @app.command("ls")
 def list_(store: StoreOption = "runs") -> None:
     """List the runs in the store."""
+    from rich import box
     from rich.console import Console
     from rich.table import Table
 
@@ -435,9 +436,10 @@ def list_(store: StoreOption = "runs") -> None:
     if not rows:
         typer.echo(f"no runs in {where}")
         return
-    table = Table(title=f"runs in {where}")
+    table = Table(title=f"runs in {where}", box=box.SIMPLE_HEAD)
     table.add_column("run id", no_wrap=True, min_width=max(len(str(r["run_id"])) for r in rows))
-    for name in ("created (UTC)", "model", "iterations done", "last committed stage", "explore"):
+    # Short headers and light rules, so that the cells fold at their spaces, not inside a date, at 80 columns.
+    for name in ("created (UTC)", "model", "iterations", "last stage", "explore"):
         table.add_column(name, overflow="fold")
     for row in rows:
         table.add_row(
@@ -448,7 +450,10 @@ def list_(store: StoreOption = "runs") -> None:
             str(row["last_stage"]),
             str(row["explore"]),
         )
-    Console().print(table)
+    console = Console()
+    if not console.is_terminal:  # a pipe or a file: rich's 80 columns would fold the cells for no reader's sake
+        console = Console(width=max(console.width, 160))
+    console.print(table)
 
 
 @app.command()

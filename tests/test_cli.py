@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -86,6 +87,9 @@ def test_a_run_made_on_a_gpu_machine_lists_and_reports_here_but_does_not_continu
     store = str(tmp_path / "store")
     listed = runner.invoke(app, ["ls", "--store", store])
     assert listed.exit_code == 0 and "from-gpu" in listed.stdout, listed.output
+    # Not a terminal: one line a run, nothing folded (rich's 80 columns cut the date into three lines).
+    (line,) = [ln for ln in listed.stdout.splitlines() if "from-gpu" in ln]
+    assert re.search(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d +tiny-digits +\d+/\d+ +iter 0: evaluate", line), line
     reported = runner.invoke(app, ["report", "from-gpu", "--store", store])
     assert reported.exit_code == 0 and "digit_alignment" in reported.stdout, reported.output
     before = sorted(p.name for p in run.run_dir.rglob("*"))
