@@ -16,6 +16,7 @@ the config, never stored in it.
 from __future__ import annotations
 
 import copy
+import difflib
 import functools
 import hashlib
 import json
@@ -646,7 +647,10 @@ class RunConfig(_Section):
             try:
                 reward.options_for(rewards.options_of(name))
             except ValidationError as exc:
-                raise ValueError(_describe_errors(exc, f"reward.models.{name}.", reward.Options)) from None
+                message = _describe_errors(exc, f"reward.models.{name}.", reward.Options)
+                if getattr(reward, "published", None) and any(e["type"] == "missing" for e in exc.errors()):
+                    message += f"; published weights: {reward.published}"
+                raise ValueError(message) from None
         return self
 
     # -- derived values (never mutated: computed from the config) --------------
@@ -702,9 +706,19 @@ class RunConfig(_Section):
 
 
 def _registered(registry: Any, name: str, field: str) -> Any:
-    """The plug-in ``name`` of ``registry``; ConfigError naming the field and the registered names."""
+    """The plug-in ``name`` of ``registry``; ConfigError naming the field and the registered names, then the
+    nearest name (a typo) or, with none near, where a plug-in is looked for (a run made with a plug-in, resumed
+    where it is not importable)."""
     if name not in registry:
-        raise ConfigError(f"{field}: unknown {registry.kind} {name!r}; registered: {', '.join(registry.names())}")
+        names = registry.names()
+        near = difflib.get_close_matches(name, names, n=1)
+        hint = (
+            f"did you mean {near[0]!r}?"
+            if near
+            else f"a plug-in {registry.kind} is imported from SOLRL_PLUGINS or an installed package's "
+            "solrl.plugins entry point"
+        )
+        raise ConfigError(f"{field}: unknown {registry.kind} {name!r}; registered: {', '.join(names)}; {hint}")
     return registry.get(name)
 
 
@@ -845,10 +859,25 @@ def _describe_errors(exc: ValidationError, prefix: str = "", root: type[BaseMode
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             msg = f"unknown key; known keys here: {', '.join(_known_keys(err['loc'][:-1], root or RunConfig))}"
+        elif err["type"] == "missing" and (description := _field_description(err["loc"], root or RunConfig)):
+            msg = f"{msg} ({description.rstrip('.')})"
         elif "input" in err and err["type"] not in ("value_error",) and not isinstance(err["input"], dict):
             msg = f"{msg} (got {err['input']!r})"
         parts.append(f"{loc}: {msg}" if loc else msg)
     return "; ".join(parts)
+
+
+def _field_description(loc: tuple[Any, ...], root: type[BaseModel]) -> str | None:
+    """The description of the field at ``loc`` under ``root`` (None where there is none or ``loc`` leaves the
+    models)."""
+    model: Any = root
+    field = None
+    for part in loc:
+        if not (isinstance(model, type) and issubclass(model, BaseModel)) or part not in model.model_fields:
+            return None
+        field = model.model_fields[part]
+        model = field.annotation
+    return field.description if field is not None else None
 
 
 def _format_validation_error(exc: ValidationError) -> str:

@@ -47,6 +47,16 @@ def test_config_is_frozen_and_hash_changes_with_values():
         ),
         (["select.k=40"], r"select.k=40 exceeds explore.pool_size=32"),
         (["explore.precision=fp3"], r"explore.precision: unknown explore precision 'fp3'; registered: bf16, fp8,"),
+        (["explore.precision=nvfp5"], r"unknown explore precision 'nvfp5'; registered: .*; did you mean 'nvfp4'\?$"),
+        (
+            ["reward.weights={brightness: 1.0}"],
+            r"unknown reward 'brightness'; .*; a plug-in reward is imported from SOLRL_PLUGINS or an installed",
+        ),
+        (
+            ["reward.weights={hpsv2: 1.0}"],
+            r"reward.models.hpsv2.checkpoint: Field required \(HPS_v2.1_compressed.pt .*\); published weights: "
+            r"https://huggingface.co/xswu/HPSv2",
+        ),
         (["model.family=sdxl"], r"model.family: unknown model family 'sdxl'; registered: .*tiny-digits"),
         (["train.loss=dpo"], r"train.loss: unknown loss 'dpo'; registered: flow_grpo, nft"),
         (
