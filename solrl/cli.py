@@ -192,9 +192,20 @@ def _report(store: str, run_id: str, outcome: str = "finished") -> None:
         experiment = json.loads((run.run_dir / TRACKING_FILE).read_text())["experiment_id"]
     except (OSError, ValueError, KeyError):
         experiment = "0"
-    prefect_home = os.environ.get("PREFECT_HOME", "~/.prefect")
-    # One server process and no GenAI job workers (MLflow's default starts about ten processes).
-    mlflow_ui = f"MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false mlflow ui --workers 1 --backend-store-uri {uri}"
+    # A server the run already used is named; with none, the command that serves the run's local records.
+    if uri.startswith(("http://", "https://")):
+        mlflow_ui = f"{experiment_url(uri, experiment)}"
+    else:  # one server process and no GenAI job workers (MLflow's default starts about ten processes)
+        mlflow_ui = (
+            f"MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false mlflow ui --workers 1 --backend-store-uri {uri}\n"
+            f"              (then {experiment_url('http://127.0.0.1:5000', experiment)})"
+        )
+    api = os.environ.get("PREFECT_API_URL")
+    if api:
+        prefect_ui = f"{api.removesuffix('/').removesuffix('/api')}   (the server of PREFECT_API_URL)"
+    else:
+        prefect_home = os.environ.get("PREFECT_HOME", "~/.prefect")
+        prefect_ui = f"PREFECT_HOME={prefect_home} prefect server start   (then http://127.0.0.1:4200)"
     mirrored = run.place.mirrored  # an object store's run, worked on through a mirror here
     typer.echo(
         f"\nrun {run_id} {outcome}; results in {run.store}/{run_id}"
@@ -206,8 +217,7 @@ def _report(store: str, run_id: str, outcome: str = "finished") -> None:
         f"  table:      solrl report {run_id} --store {run.store}\n"
         f"  LoRA:       solrl export {run_id} --store {run.store} --out <folder>\n"
         f"  MLflow UI:  {mlflow_ui}\n"
-        f"              (then {experiment_url('http://127.0.0.1:5000', experiment)})\n"
-        f"  Prefect UI: PREFECT_HOME={prefect_home} prefect server start   (then http://127.0.0.1:4200)"
+        f"  Prefect UI: {prefect_ui}"
     )
 
 

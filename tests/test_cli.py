@@ -68,7 +68,9 @@ def test_ls_on_an_empty_store(tmp_path: Path):
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks a machine without CUDA")
 @pytest.mark.parametrize("setting", ["explore.precision=nvfp4", "explore.precision=fp8", "model.device=cuda"])
-def test_a_run_made_on_a_gpu_machine_lists_and_reports_here_but_does_not_continue(tmp_path: Path, setting):
+def test_a_run_made_on_a_gpu_machine_lists_and_reports_here_but_does_not_continue(
+    tmp_path: Path, setting, monkeypatch, capsys
+):
     from conftest import tiny_config
 
     from solrl.stages.context import StageContext
@@ -97,6 +99,22 @@ def test_a_run_made_on_a_gpu_machine_lists_and_reports_here_but_does_not_continu
     assert resumed.exit_code == 2 and ("cannot run here" in resumed.stderr or "no CUDA device" in resumed.stderr)
     assert len([ln for ln in resumed.stderr.splitlines() if ln.strip()]) == 1
     assert sorted(p.name for p in run.run_dir.rglob("*")) == before  # nothing written
+
+    # The closing summary names the servers a run used, not a command that would start a second one.
+    from solrl.cli import _report
+
+    capsys.readouterr()
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    _report(store, "from-gpu")
+    alone = capsys.readouterr().out
+    assert "prefect server start" in alone and "mlflow ui --workers 1 --backend-store-uri sqlite:" in alone
+    monkeypatch.setenv("PREFECT_API_URL", "http://prefect.example:4200/api")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow.example:5000")
+    _report(store, "from-gpu")
+    served = capsys.readouterr().out
+    assert "Prefect UI: http://prefect.example:4200   (the server of PREFECT_API_URL)" in served
+    assert "MLflow UI:  http://mlflow.example:5000/#/experiments/" in served and "mlflow ui" not in served
 
 
 def _committed_run(tmp_path: Path, run_id: str = "r"):
