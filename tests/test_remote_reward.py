@@ -95,6 +95,45 @@ def test_a_server_that_does_not_answer_is_an_error_never_a_score():
         remote.check_server()
 
 
+@pytest.mark.parametrize(
+    ("body", "match"),
+    [
+        (b'{"scores": ["abc", 1.0]}', r"returned scores that are not numbers"),
+        (b"<html>a proxy's page</html>", r"answered HTTP 200 that is not JSON .*reward-server"),
+        (b'{"score": [1.0, 2.0]}', r"answered .*'score'.*, not \{\"scores\""),
+        (b"[1.0, 2.0]", r"answered '\[1.0, 2.0\]', not"),
+        (b'{"scores": [1.0, 2.0], "columns": [1, 2]}', r"answered .*'columns': \[1, 2\].*, not"),
+    ],
+)
+def test_an_answer_that_is_not_scores_is_an_error_naming_the_server(body: bytes, match: str):
+    """Not a `solrl reward-server` (a proxy's page, another service, a broken one): a RewardError naming the URL,
+    never a bare ValueError, KeyError or TypeError from deep in the client."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Garbage(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 (http.server's name)
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Garbage)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        remote = build_reward("jpeg_compressibility", options={"url": url, "retries": 0})
+        with pytest.raises(RewardError, match=rf"reward jpeg_compressibility: the server at {url} {match}"):
+            remote(np.zeros((2, 8, 8, 3), np.uint8), ["a", "b"])
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_a_server_with_a_token_refuses_requests_without_it_and_scores_for_a_client_that_has_it(monkeypatch):
     """``SOLRL_REWARD_TOKEN`` in the server's environment: no token, or another one, is HTTP 401 on every
     endpoint; a client whose environment holds the token scores as a local reward does."""

@@ -156,7 +156,14 @@ class RemoteReward(Reward):
                 cause = f"{exc.__class__.__name__}: {exc}"
             else:
                 if response.status_code < 400:
-                    return response.json()
+                    try:
+                        return response.json()
+                    except ValueError:  # an answer that is not JSON: a proxy's page, another service
+                        raise RewardError(
+                            f"reward {self.name}: the server at {self.url} answered HTTP {response.status_code} "
+                            f"that is not JSON ({response.text[:200]!r}); is reward.models.{self.key}.url a "
+                            "`solrl reward-server`?"
+                        ) from None
                 cause = f"HTTP {response.status_code}: {response.text[:300]}"
                 if response.status_code == 401:
                     cause += f"; set {TOKEN_ENV} to the server's token"
@@ -179,14 +186,30 @@ class RemoteReward(Reward):
                 **encode_images(images),
             }
         )
-        scores, columns = answer["scores"], answer.get("columns") or {}
+        scores = answer.get("scores") if isinstance(answer, dict) else None
+        columns = (answer.get("columns") or {}) if isinstance(answer, dict) else None
+        if (
+            not isinstance(scores, list)
+            or not isinstance(columns, dict)
+            or not all(isinstance(values, list) for values in columns.values())
+        ):
+            raise RewardError(
+                f"reward {self.name}: the server at {self.url} answered {str(answer)[:200]!r}, not "
+                '{"scores": [...], "columns": {name: [...]}}'
+            )
         lengths = {len(scores), *(len(values) for values in columns.values())}
         if lengths != {len(prompts)}:
             raise RewardError(
                 f"reward {self.name}: the server at {self.url} returned {len(scores)} scores and columns of "
                 f"{sorted(lengths)} values for {len(prompts)} samples"
             )
-        return Scores(np.asarray(scores, np.float32), columns)
+        try:
+            values = np.asarray(scores, np.float32)
+        except (TypeError, ValueError) as exc:
+            raise RewardError(
+                f"reward {self.name}: the server at {self.url} returned scores that are not numbers ({exc})"
+            ) from None
+        return Scores(values, columns)
 
     def check_server(self) -> None:
         """Raises RewardError unless ``GET {url}/health`` answers for this reward."""
