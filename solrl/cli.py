@@ -640,13 +640,9 @@ def inspect(
     if figures:
         console.print("fidelity figures: " + ", ".join(f"{k} {v:.4f}" for k, v in sorted(figures.items())))
     missing = [s for s, state in found.states.items() if state in ("missing", "incomplete")]
-    from solrl.storage.runs import run_lock
+    from solrl.storage.runs import run_holder
 
-    try:
-        with run_lock(run_.run_dir):
-            running = False
-    except ConfigError:
-        running = True
+    running = run_holder(run_.run_dir) is not None  # read, not taken: inspect writes nothing
     if missing and running:
         console.print(f"not committed yet: {', '.join(missing)}; another process is running this run now")
     elif missing:

@@ -96,6 +96,23 @@ class Lease:
             return {}, tag  # unreadable: a torn write of some other tool; treated as expired
         return (data if isinstance(data, dict) else {}), tag
 
+    def _live_holder(self, data: dict[str, Any] | None) -> str | None:
+        """``pid P on H for another S s`` where ``data`` (a stored lease) is unexpired and its holder not known
+        dead, else None."""
+        holder = (data or {}).get("holder") or {}
+        expires = float((data or {}).get("expires", 0.0))
+        if expires > time.time() and holder_alive(holder) is not False:
+            return (
+                f"pid {holder.get('pid')} on {holder.get('host')} for another {max(0.0, expires - time.time()):.0f} s"
+            )
+        return None
+
+    def held_by(self) -> str | None:
+        """Who holds the lease now (``pid P on H for another S s``), or None when it is free, expired or held by
+        a process known dead; reads only, so it works on a store this process cannot write."""
+        data, seen = self.read()
+        return None if seen is None else self._live_holder(data)
+
     def acquire(self) -> None:
         """Take the lease and start renewing it.
 
@@ -108,12 +125,8 @@ class Lease:
             data, seen = self.read()
             if seen is None:
                 continue
-            holder = (data or {}).get("holder") or {}
-            expires = float((data or {}).get("expires", 0.0))
-            if expires > time.time() and holder_alive(holder) is not False:  # unexpired, holder not known dead
-                where = f"pid {holder.get('pid')} on {holder.get('host')}"
-                left = max(0.0, expires - time.time())
-                raise LeaseHeld(f"{self.store.url(self.key)} is held by {where} for another {left:.0f} s")
+            if held := self._live_holder(data):  # unexpired, holder not known dead
+                raise LeaseHeld(f"{self.store.url(self.key)} is held by {held}")
             if tag := self.store.replace_if(self.key, self._record(time.time() + self.ttl), seen):
                 break
         else:

@@ -242,6 +242,13 @@ def list_runs(root: str | Path) -> list[dict[str, object]]:
     return sorted(rows, key=lambda r: str(r["created"]))
 
 
+def run_holder(run_dir: Path) -> str | None:
+    """The live process holding the run's lease (``pid P on H for another S s``), or None; writes nothing (the
+    lease is read, not taken), so it answers on a read-only store and never races a starting ``resume``."""
+    place = locate(Path(run_dir))
+    return Lease(place.store, f"{place.key}/{LEASE}").held_by()
+
+
 @contextmanager
 def run_lock(run_dir: Path, ttl: float = DEFAULT_TTL) -> Iterator[None]:
     """Hold the run's lease (``<run_dir>/_LEASE.json``, ``solrl.storage.lease``) for the ``with`` block: renewed
@@ -249,7 +256,7 @@ def run_lock(run_dir: Path, ttl: float = DEFAULT_TTL) -> Iterator[None]:
     this host and after ``ttl`` seconds when it dies elsewhere.
 
     Raises:
-        ConfigError: another live process holds the run.
+        ConfigError: another live process holds the run; the lease cannot be written (a read-only or full store).
     """
     run_dir = Path(run_dir)
     place = locate(run_dir)
@@ -262,6 +269,11 @@ def run_lock(run_dir: Path, ttl: float = DEFAULT_TTL) -> Iterator[None]:
             f"run {run_dir.name!r} is being written by another process ({exc}); wait for it or stop it (a lease "
             f"whose holder died elsewhere runs out by itself), then `solrl resume {run_dir.name} --store "
             f"{store.address}`"
+        ) from None
+    except (OSError, StoreError) as exc:  # a read-only or full store: nothing of the run can be written either
+        raise ConfigError(
+            f"run {run_dir.name!r}: cannot write its lease in {store.address} ({exc.__class__.__name__}: {exc}); "
+            "resuming or pruning a run needs a store this process can write"
         ) from None
     place.lease = lease
     try:

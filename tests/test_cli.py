@@ -61,6 +61,30 @@ def test_resume_of_an_unknown_run_exits_2(tmp_path: Path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_inspect_writes_nothing_and_a_lease_that_cannot_be_written_is_one_line(tmp_path: Path):
+    """inspect took the run's lease to learn whether a process runs it, so on a read-only store it died with a
+    traceback (and could make a starting resume see the run as held); resume and prune there gave a traceback."""
+    from conftest import tiny_config
+
+    from solrl.stages.context import StageContext
+    from solrl.stages.pipeline import run_stage
+    from solrl.storage.runs import create_run
+
+    cfg = tiny_config(tmp_path / "store")
+    run = create_run(cfg, "read-only")
+    run_stage(StageContext(cfg, run.run_dir, run.run_id, 0), "evaluate")
+    store = str(tmp_path / "store")
+    before = {p: p.stat().st_mtime_ns for p in run.run_dir.rglob("*")}
+    inspected = runner.invoke(app, ["inspect", "read-only", "--store", store, "--iteration", "0"])
+    assert inspected.exit_code == 0, inspected.output
+    assert {p: p.stat().st_mtime_ns for p in run.run_dir.rglob("*")} == before  # no lease taken, nothing written
+    (run.run_dir / "_LEASE.json").mkdir()  # a lease this process cannot write, as on a read-only store
+    for args in (["resume", "read-only"], ["prune", "read-only", "--keep-last", "1"]):
+        done = runner.invoke(app, [*args, "--store", store])
+        assert done.exit_code == 2 and "cannot write its lease" in done.stderr, done.output
+        assert len([ln for ln in done.stderr.splitlines() if ln.strip()]) == 1, done.stderr
+
+
 def test_ls_on_an_empty_store(tmp_path: Path):
     result = runner.invoke(app, ["ls", "--store", str(tmp_path)])
     assert result.exit_code == 0 and "no runs" in result.stdout
