@@ -46,7 +46,7 @@ def read_prompt_set(path: Path, field: str) -> PromptSet:
             ``prompt`` string; no prompt at all.
     """
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # a byte-order mark (Windows editors) is not the prompt's
     except (OSError, UnicodeDecodeError) as exc:
         raise PromptFileError(
             f"{field}: cannot read prompt file {str(path)!r} ({exc.__class__.__name__}: {exc})"

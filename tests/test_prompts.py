@@ -108,3 +108,24 @@ def test_the_rewards_receive_each_images_prompt_metadata(tmp_path: Path):
     table = ExploreRewards.load(run.run_dir, 1).frame
     expected = [digits.index(p.rsplit(" ", 1)[1]) for p in table["prompt"]]
     np.testing.assert_array_equal(table["value"].to_numpy(), expected)
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_prompt(tmp_path: Path):
+    """A file saved by a Windows editor starts with U+FEFF; it was stored as the first prompt's first letter."""
+    path = tmp_path / "bom.txt"
+    path.write_bytes("\ufeffa hand drawn zero\na hand drawn three\n".encode())
+    assert read_prompt_set(path, "campaign.prompts_file").prompts == ["a hand drawn zero", "a hand drawn three"]
+
+
+def test_a_prompt_of_megabytes_is_drawn_cut_in_the_best_worst_grid(tmp_path: Path):
+    """select drew each prompt whole as its row's label, and PIL refuses text over about a million characters: a
+    run with such a prompt failed at select on every resume."""
+    from PIL import Image
+
+    from solrl.stages.metrics.grid import MAX_LABEL, save_grid
+
+    images = np.zeros((2, 2, 8, 8, 3), np.uint8)
+    save_grid(images, tmp_path / "grid.png", row_labels=["a hand drawn zero " + "x" * 2_000_000, "short"])
+    short = tmp_path / "short.png"
+    save_grid(images, short, row_labels=["a hand drawn zero " + "x" * (MAX_LABEL - 19), "short"])
+    assert Image.open(tmp_path / "grid.png").width <= Image.open(short).width + 20

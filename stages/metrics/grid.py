@@ -31,6 +31,15 @@ def _width(text: str) -> int:
     return int(np.ceil(_font().getlength(text)))
 
 
+#: The most characters of a label drawn: a longer one (a prompt of a paragraph, or of megabytes, which PIL refuses
+#: to draw) ends in an ellipsis; the full text is in the stage's tables.
+MAX_LABEL = 120
+
+
+def _label(text: str) -> str:
+    return text if len(text) <= MAX_LABEL else text[: MAX_LABEL - 1].rstrip() + "…"
+
+
 #: The longest side of a tile in a grid, in pixels: small images are upscaled ``scale`` x up to it, a published
 #: 1024 px image is shown downscaled to it (a grid of 4 x 24 full-size tiles upscaled 4 x was a 93 MB PNG that
 #: took 25 s to write, issue 36).
@@ -70,11 +79,13 @@ def save_grid(
 
     Args:
         row_labels: text left of each row (e.g. the prompt); column_labels: text above each column (e.g.
-            best / worst); scores: float ``[rows, cols]`` written under each image (e.g. its reward); split: draw
-            a red rule before this column (e.g. between the kept best and worst).
+            best / worst), each cut to ``MAX_LABEL`` characters; scores: float ``[rows, cols]`` written under each
+            image (e.g. its reward); split: draw a red rule before this column (e.g. between the kept best and
+            worst).
     """
     if images.ndim == 6:
         images = frame_strip(images)
+    row_labels, column_labels = [_label(s) for s in row_labels], [_label(s) for s in column_labels]
     rows, cols, h0, w0, _ = images.shape
     h, w = tile_shape(h0, w0, scale)
     font = _font()
