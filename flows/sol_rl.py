@@ -30,7 +30,16 @@ from solrl.flows.runners import shard_submit_options, shard_task_runner
 from solrl.processes import stop_signal
 from solrl.stages.context import StageContext
 from solrl.stages.guards import guard_trip
-from solrl.stages.pipeline import ITERATION, STAGES, campaign_plan, first_pending, run_shard, run_stage, stage_shards
+from solrl.stages.pipeline import (
+    ITERATION,
+    STAGES,
+    campaign_plan,
+    first_pending,
+    restore_pruned_inputs,
+    run_shard,
+    run_stage,
+    stage_shards,
+)
 from solrl.stages.runnable import check_ready
 from solrl.stages.sharding import Shard
 from solrl.storage.artifacts import EvalSamples, Selection
@@ -291,6 +300,10 @@ def run_campaign(store: str, run_id: str) -> dict[str, float]:
     with run_lock(run.run_dir), tags(cockpit.run_tag(run_id)), shard_task_runner(run.config) as runner:
         cockpit.tag_flow_run([cockpit.run_tag(run_id), f"{cockpit.PRESET_TAG}{run.config.name}"], logger)
         cockpit.clear_dead_attempt(run_id, logger)
+        for iteration, stage in restore_pruned_inputs(StageContext.of(run, 0)):
+            logger.info(
+                "%s[%d] is redone first: a stage to run reads its output, which retention pruned", stage, iteration
+            )
         pending = first_pending(StageContext.of(run, 0))
         if (line := _skipped_line(plan, pending)) is not None:
             logger.info(line)

@@ -419,9 +419,17 @@ def resume(
 
         pending = first_pending(StageContext.of(run_, 0))
         if pending is None:
+            from solrl.storage.retention import prune_run
+
+            try:  # a campaign killed after its last stage and before its final prune: the prune is all it lacks
+                with run_lock(run_.run_dir):
+                    freed = prune_run(run_.config, run_.run_dir)
+            except ConfigError as exc:
+                _fail(str(exc))
+            pruned = f" {freed / 2**20:.1f} MiB of pool data pruned (storage.pool, keep_pools)." if freed else ""
             typer.echo(
                 f"run {run_id} is complete ({run_.config.campaign.iterations} iterations committed); "
-                f"nothing to do. See `solrl report {run_id} --store {store}`."
+                f"nothing to do.{pruned} See `solrl report {run_id} --store {store}`."
             )
             return
         _start_prefect_early()

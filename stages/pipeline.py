@@ -49,6 +49,7 @@ from solrl.storage.stage import (
     remove_stage_tree,
     require,
     run_or_skip,
+    uncommit,
 )
 
 
@@ -263,6 +264,36 @@ def run_stage(ctx: StageContext, name: str) -> tuple[StageManifest, bool]:
         result = run_or_skip(ctx.run_dir, ctx.run_id, ctx.iteration, name, key, reduce, seconds)
     remove_stage_tree(ctx.run_dir, f"{iteration_dir(ctx.run_dir, ctx.iteration).name}/{shards_folder(name)}")
     return result
+
+
+def restore_pruned_inputs(ctx0: StageContext) -> list[tuple[int, str]]:
+    """Uncommit the producer of every pruned input a stage still to run reads, so the campaign redoes it first.
+
+    Retention (``solrl.storage.retention``) prunes an iteration's pool only once its checkpoint is committed, when
+    no stage reads it again; but ``solrl verify --redo``, or a damaged file found on resume, can make a stage of
+    such an iteration pending again (score_explore reads the pool's images, update the regenerated samples). Its
+    producer (explore, regenerate) is deterministic in its inputs (the same seeds and starting policy give the
+    same bytes), so redoing it restores exactly the files its manifest recorded, and every committed stage
+    downstream keeps its inputs hash. Call it holding the run's lock, before ``first_pending``.
+
+    Returns:
+        The ``(iteration, stage)`` producers uncommitted, in plan order.
+    """
+    restored: list[tuple[int, str]] = []
+    for iteration, names in campaign_plan(ctx0.cfg):
+        ctx = replace(ctx0, iteration=iteration)
+        for name in names:
+            manifest = read_manifest(ctx.run_dir, iteration, name)
+            if manifest is not None and manifest.inputs_hash == stage_key(ctx, STAGES[name]):
+                continue  # committed for its inputs: it reads nothing again
+            for artifact in STAGES[name].reads:
+                if artifact.offset != 0 or artifact.stage not in STAGES or (iteration, artifact.stage) in restored:
+                    continue
+                producer = read_manifest(ctx.run_dir, iteration, artifact.stage)
+                if producer is not None and producer.pruned:
+                    uncommit(ctx.run_dir, iteration, artifact.stage)
+                    restored.append((iteration, artifact.stage))
+    return restored
 
 
 def first_pending(ctx0: StageContext) -> tuple[int, str] | None:

@@ -160,6 +160,38 @@ def test_verify_names_a_flipped_byte_and_redo_makes_resume_recompute_it(tmp_path
     assert result.exit_code == 0 and "every file of its 3 committed stages matches" in result.output
 
 
+def test_a_stage_redone_after_its_pool_was_pruned_redoes_the_pool_first_and_a_complete_run_is_pruned(tmp_path):
+    """A breaker's finding: under the default storage.pool=latents, `verify --redo` of score_explore (or a damaged
+    rewards file found on resume) in an iteration whose checkpoint is committed left a run that no resume could
+    finish (score_explore read the pruned images: AttributeError). And a campaign killed after its last stage,
+    before its final prune, was reported complete and never pruned."""
+    from solrl.stages.context import StageContext
+    from solrl.stages.pipeline import campaign_plan, first_pending, restore_pruned_inputs, run_stage
+    from solrl.storage.runs import create_run
+    from solrl.storage.stage import uncommit
+
+    cfg = tiny_config(tmp_path, "campaign.iterations=1", "fidelity.audit_every=0")
+    run = create_run(cfg, "pruned")
+    for iteration, names in campaign_plan(cfg):  # the stages without the flow: nothing pruned yet
+        for name in names:
+            run_stage(StageContext.of(run, iteration), name)
+    ctx0 = StageContext.of(run, 0)
+    assert first_pending(ctx0) is None and not read_manifest(run.run_dir, 1, "explore").pruned
+    result = runner.invoke(app, ["resume", "pruned", "--store", str(tmp_path)])
+    assert result.exit_code == 0 and "is complete" in result.output and "MiB of pool data pruned" in result.output
+    assert read_manifest(run.run_dir, 1, "explore").pruned == {"candidates.zarr/images": "storage.pool=latents"}
+
+    before = {name: read_manifest(run.run_dir, 1, name).digest() for name in ("explore", "score_explore")}
+    uncommit(run.run_dir, 1, "score_explore")  # what `verify --redo` does to a changed rewards file
+    assert restore_pruned_inputs(ctx0) == [(1, "explore")]  # the flow calls it first, under the run's lock
+    assert first_pending(ctx0) == (1, "explore")
+    for name in ("explore", "score_explore"):
+        run_stage(StageContext.of(run, 1), name)
+    assert {name: read_manifest(run.run_dir, 1, name).digest() for name in before} == before
+    assert first_pending(ctx0) is None  # select and everything after kept their inputs hash
+    assert restore_pruned_inputs(ctx0) == []
+
+
 def test_the_pool_is_written_as_it_is_sampled_and_equals_one_call_over_the_whole_pool(tmp_path):
     """Explore with a batch of one prompt's pool writes prompt by prompt; the pool is bit for bit what one
     ``generate`` over every candidate at that batch size gives (the sampler's batches are the same)."""
