@@ -204,13 +204,21 @@ def list_runs(root: str | Path) -> list[dict[str, object]]:
         ConfigError: (``StoreError``) an object store that cannot be listed.
     """
     store = open_store(root)
-    rows = []
+    rows: list[dict[str, object]] = []
     for run_id in store.ls():
         try:
             data = json.loads(store.read_bytes(f"{run_id}/{RUN_FILE}"))
+        except FileNotFoundError:
+            continue  # not a run: MLflow's folder, anything else kept beside the runs
         except (OSError, ValueError):
-            continue
+            data = None
         if not (isinstance(data, dict) and isinstance(data.get("config", {}), dict)):
+            # Listed, not hidden: inspect and resume name the damaged file; ls must not make the run look gone.
+            unreadable = f"{RUN_FILE} unreadable"
+            rows.append(
+                {"run_id": run_id, "created": "", "iterations_done": "?", "iterations": "?", "model": unreadable}
+                | {"last_stage": "", "explore": "", "path": store.path(run_id) if store.local else store.url(run_id)}
+            )
             continue
         iterations = sorted(name for name in store.ls(run_id) if name.startswith("iter_"))
         done = [i for i in iterations if store.exists(f"{run_id}/{i}/checkpoint/{MANIFEST}")]

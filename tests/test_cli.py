@@ -90,6 +90,16 @@ def test_ls_on_an_empty_store(tmp_path: Path):
     assert result.exit_code == 0 and "no runs" in result.stdout
 
 
+def test_ls_lists_a_run_whose_run_json_is_damaged_and_skips_folders_that_are_no_run(tmp_path: Path):
+    """A run with a torn run.json made ls say 'no runs' (inspect and resume named the file)."""
+    (tmp_path / "damaged").mkdir()
+    (tmp_path / "damaged" / "run.json").write_text('{"run_id": "dam')
+    (tmp_path / "mlartifacts").mkdir()
+    result = runner.invoke(app, ["ls", "--store", str(tmp_path)])
+    assert result.exit_code == 0 and "damaged" in result.stdout and "run.json unreadable" in result.stdout
+    assert "mlartifacts" not in result.stdout
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks a machine without CUDA")
 @pytest.mark.parametrize("setting", ["explore.precision=nvfp4", "explore.precision=fp8", "model.device=cuda"])
 def test_a_run_made_on_a_gpu_machine_lists_and_reports_here_but_does_not_continue(

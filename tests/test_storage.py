@@ -244,7 +244,7 @@ def test_a_same_size_corruption_is_found_by_verification_and_redone_once_uncommi
     assert require(tmp_path, 1, "explore")[1] == manifest and verify_run(tmp_path) == []
 
 
-def test_a_run_json_of_the_wrong_shape_is_a_config_error_and_ls_skips_it(tmp_path: Path):
+def test_a_run_json_of_the_wrong_shape_is_a_config_error_and_ls_lists_it_as_unreadable(tmp_path: Path):
     from solrl.config import ConfigError
     from solrl.storage.runs import list_runs, open_run
 
@@ -252,7 +252,7 @@ def test_a_run_json_of_the_wrong_shape_is_a_config_error_and_ls_skips_it(tmp_pat
     (tmp_path / "odd" / "run.json").write_text("[]")
     with pytest.raises(ConfigError, match="not a solrl run file"):
         open_run(tmp_path, "odd")
-    assert list_runs(tmp_path) == []
+    assert [(r["run_id"], r["model"]) for r in list_runs(tmp_path)] == [("odd", "run.json unreadable")]
 
 
 def test_two_runs_in_two_stores_in_one_process_log_to_their_own_mlflow_databases(tmp_path: Path):
