@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import subprocess
 import time
@@ -147,7 +148,16 @@ class Tracker:
                     if experiment.tags.get(key) != value:
                         client.set_experiment_tag(experiment_id, key, value)
         state_file = run_dir / TRACKING_FILE
-        stored = json.loads(state_file.read_text()) if state_file.exists() else {}
+        try:
+            stored = json.loads(state_file.read_text()) if state_file.exists() else {}
+        except (OSError, ValueError) as exc:  # written atomically: only damage from outside gets here
+            stored = None
+            logging.getLogger(__name__).warning(
+                "%s is unreadable (%s); this run logs to a new MLflow run (its earlier metrics are logged again)",
+                state_file,
+                exc.__class__.__name__,
+            )
+        stored = stored if isinstance(stored, dict) else {}
         if stored.get("mlflow_run_id") and stored.get("tracking_uri") == self.uri:
             self.mlflow_run_id = stored["mlflow_run_id"]
             # A resumed run is running again (it was KILLED, FAILED, or left RUNNING by a SIGKILL).

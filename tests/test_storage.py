@@ -292,6 +292,25 @@ def test_the_run_config_is_logged_whole_in_batches_of_mlflows_hundred_params(tmp
     assert logged == {k: str(v) for k, v in many.items()} | {"long": "x" * MAX_PARAM_VAL_LENGTH}
 
 
+def test_a_damaged_tracking_file_starts_a_new_mlflow_run_instead_of_failing_the_resume(tmp_path: Path, caplog):
+    """tracking.json is written atomically, but a hand-edited or damaged one made every resume fail with a bare
+    JSONDecodeError (and Prefect's tracebacks)."""
+    import json
+
+    from conftest import tiny_config
+
+    from solrl.storage.runs import create_run
+    from solrl.storage.tracking import TRACKING_FILE, Tracker
+
+    run = create_run(tiny_config(tmp_path), "damaged-tracking")
+    first = Tracker(run).mlflow_run_id
+    (run.run_dir / TRACKING_FILE).write_text("garbage")
+    second = Tracker(run)
+    assert second.mlflow_run_id != first and "tracking.json is unreadable (JSONDecodeError)" in caplog.text
+    assert json.loads((run.run_dir / TRACKING_FILE).read_text())["mlflow_run_id"] == second.mlflow_run_id
+    assert Tracker(run).mlflow_run_id == second.mlflow_run_id  # and later resumes continue that one
+
+
 def test_two_processes_starting_runs_in_a_new_store_at_once_both_get_an_mlflow_run(tmp_path: Path):
     import subprocess
     import sys
