@@ -907,6 +907,20 @@ def _preset_path(source: str | Path, relative_to: Path | None = None) -> Path:
     return path
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last silently, so
+    ``explore: {pool_size: 8}`` with a second ``pool_size: 16`` ran with 16 and said nothing)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 class _ExtendsError(ConfigError):
     """A preset's ``extends`` cannot be resolved; the message names the extending file."""
 
@@ -926,11 +940,12 @@ def _read_preset(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"cannot read config {str(path)!r} ({exc.__class__.__name__}: {exc})") from exc
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
     except yaml.YAMLError as exc:
         line = getattr(getattr(exc, "problem_mark", None), "line", None)
         where = f" at line {line + 1}" if line is not None else ""
-        raise ConfigError(f"config {str(path)!r} is not valid YAML{where}") from exc
+        problem = f": {exc.problem}" if str(getattr(exc, "problem", "")).startswith("duplicate key") else ""
+        raise ConfigError(f"config {str(path)!r} is not valid YAML{where}{problem}") from exc
     if data is None:
         data = {}
     if not isinstance(data, dict):

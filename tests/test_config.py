@@ -133,6 +133,21 @@ def test_malformed_yaml_names_the_line(tmp_path: Path):
         load_config(path)
 
 
+@pytest.mark.parametrize(
+    ("text", "line", "key"),
+    [
+        ("extends: tiny-digits\nexplore:\n  pool_size: 8\n  pool_size: 16\n", 4, "pool_size"),
+        ("explore: {pool_size: 8}\nselect: {k: 4}\nexplore: {steps: 3}\n", 3, "explore"),
+    ],
+)
+def test_a_key_given_twice_is_refused_naming_it_and_its_line(tmp_path: Path, text: str, line: int, key: str):
+    """PyYAML keeps the last of two equal keys silently: the run used a value its author may not have meant."""
+    path = tmp_path / "twice.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=rf"not valid YAML at line {line}: duplicate key '{key}'$"):
+        load_config(path)
+
+
 def test_non_mapping_yaml(tmp_path: Path):
     path = tmp_path / "list.yaml"
     path.write_text("- a\n- b\n")
