@@ -843,7 +843,7 @@ def export(
     """Write a checkpoint's LoRA in diffusers' format, for a stock pipeline's load_lora_weights."""
     from solrl.stages.context import StageContext
     from solrl.stages.models import model_family
-    from solrl.stages.models.lora import save_diffusers_lora
+    from solrl.stages.models.lora import LORA_WEIGHTS, save_diffusers_lora
     from solrl.stages.models.policy import ADAPTERS
     from solrl.storage.artifacts import Checkpoint
     from solrl.storage.runs import open_run
@@ -879,13 +879,20 @@ def export(
             f"was committed); `solrl resume {run_id} --store {store}` recomputes it"
         )
     policy = context.load_policy(checkpoint, encode_prompts=False)
+    replaced = " (it replaced the file there)" if (out / LORA_WEIGHTS).exists() else ""
     try:
         path = save_diffusers_lora(policy, adapter, family.pipeline_class, out)
     except OSError as exc:
         _fail(f"--out {out}: cannot write the LoRA there ({exc.strerror or exc})")
+    if family.stock_pipeline:
+        how = f"{family.pipeline_class}.from_pretrained(...).load_lora_weights({str(out)!r})"
+    else:  # no stock pipeline samples this family: the LoRA goes onto its transformer
+        how = (
+            f"<the transformer>.load_lora_adapter({str(out)!r}, weight_name={path.name!r}, prefix='transformer') "
+            f"({family.name} has no stock diffusers pipeline; its transformer is a {family.pipeline_class}'s)"
+        )
     typer.echo(
-        f"{adapter} LoRA of run {run_id} iteration {iteration} written to {path}\n"
-        f"  load it with {family.pipeline_class}.from_pretrained(...).load_lora_weights({str(out)!r})"
+        f"{adapter} LoRA of run {run_id} iteration {iteration} written to {path}{replaced}\n  load it with {how}"
     )
 
 

@@ -92,7 +92,11 @@ def test_checkpoint_stage_and_solrl_export_write_a_loadable_lora(tmp_path: Path,
         app, ["export", "export", "--out", str(tmp_path / "out"), "--store", str(run.run_dir.parent)]
     )
     assert result.exit_code == 0, result.output
-    assert f"iteration 1 written to {tmp_path / 'out' / LORA_WEIGHTS}" in result.stdout
+    assert f"iteration 1 written to {tmp_path / 'out' / LORA_WEIGHTS}\n" in result.stdout
+    # tiny-digits has no stock pipeline (1 channel, no VAE, its own text encoder): the hint loads the transformer's
+    assert "load_lora_adapter(" in result.stdout and "tiny-digits has no stock diffusers pipeline" in result.stdout
+    again = runner.invoke(app, ["export", "export", "--out", str(tmp_path / "out"), "--store", str(run.run_dir.parent)])
+    assert again.exit_code == 0 and f"{LORA_WEIGHTS} (it replaced the file there)" in again.stdout, again.output
     torch.testing.assert_close(load_file(tmp_path / "out" / LORA_WEIGHTS), load_file(in_checkpoint / LORA_WEIGHTS))
     assert (tmp_path / "out" / LORA_WEIGHTS).read_bytes() == (in_checkpoint / LORA_WEIGHTS).read_bytes()
     umask = os.umask(0)

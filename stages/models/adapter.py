@@ -99,6 +99,10 @@ class ModelAdapter:
     weights_hint: ClassVar[str] = ""
     #: The diffusers pipeline class of the family (its LoRA loader reads the exported LoRA).
     pipeline_class: ClassVar[str]
+    #: Whether ``pipeline_class`` can load the family's weights whole (a stock pipeline samples with the exported
+    #: LoRA); False where only the transformer is that class's (``solrl export`` then says to load the LoRA onto
+    #: the transformer).
+    stock_pipeline: ClassVar[bool] = True
     #: peft ``target_modules`` of the policy LoRA: module-name suffixes, or one regex that a module's whole qualified
     #: name must match (where a suffix would also name a module peft cannot wrap, e.g. FLUX.2's ``attn.to_out``).
     lora_targets: ClassVar[tuple[str, ...] | str]

@@ -196,6 +196,7 @@ class TinyDigits(ModelAdapter):
     name: ClassVar[str] = "tiny-digits"
     weights_hint: ClassVar[str] = "shipped with solrl; rebuild with `solrl pretrain-tiny-digits --out DIR`"
     pipeline_class: ClassVar[str] = "SanaPipeline"  # its transformer is a Sana one; the text encoder is its own
+    stock_pipeline: ClassVar[bool] = False  # 1 channel, no VAE, its own word-level text encoder
     # Attention and the 1x1 feed-forward convs; the 3x3 depthwise conv is left out (peft cannot merge into it).
     lora_targets: ClassVar[tuple[str, ...]] = ("to_q", "to_k", "to_v", "to_out.0", "conv_inverted", "conv_point")
     explore_skip: ClassVar[tuple[str, ...]] = ("patch_embed", "time_embed", "caption_projection", "proj_out", "norm")
