@@ -127,7 +127,7 @@ def clear_dead_attempt(run_id: str, logger: logging.Logger) -> int:
     except Exception as exc:  # noqa: BLE001 - bookkeeping only (module doc)
         logger.warning("could not clear the runs a dead attempt left running (%s: %s)", exc.__class__.__name__, exc)
     if marked:
-        logger.info("marked %d flow and task runs that a dead attempt of %s left running as Crashed", marked, run_id)
+        logger.info("marked %d flow or task run(s) that a dead attempt of %s left running as Crashed", marked, run_id)
     return marked
 
 

@@ -206,7 +206,9 @@ def evaluation_summary(run_dir: Path, up_to: int) -> str | None:
         parts.append(f"{key[5:]} {value:.3f}" + (f" (start {before:.3f})" if before is not None else ""))
     diversity, diversity_start = now.metrics.get("eval/diversity"), start.metrics.get("eval/diversity")
     if diversity is not None and diversity_start:
-        parts.append(f"diversity {diversity:.3f} ({diversity / diversity_start - 1:+.0%} vs start)")
+        change = diversity / diversity_start - 1
+        relative = f"{change:+.0%}" if round(change, 2) else "±0%"  # not "-0%"
+        parts.append(f"diversity {diversity:.3f} ({relative} vs start)")
     grid, grid_start = now.metrics.get("eval/grid_energy"), start.metrics.get("eval/grid_energy")
     if grid is not None and grid_start:
         parts.append(f"grid energy {grid:.5f} ({grid / grid_start:.1f}x start)")

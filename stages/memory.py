@@ -573,7 +573,8 @@ def fixes(cfg: Any, plan: Plan) -> list[str]:
 
 
 def format_plan(plan: Plan, title: str = "") -> str:
-    """The plan as a Markdown table: one row per stage, its parts and total in GiB, and whether it fits."""
+    """The plan as a Markdown table: one row per stage, its parts and total (each with its unit, GiB to KiB), and
+    whether it fits."""
     f = plan.footprint
     usable = plan.usable
     layout = f"{plan.parallel} x {plan.processes}" + (", gradient checkpointing" if plan.checkpointing else "")
@@ -582,7 +583,7 @@ def format_plan(plan: Plan, title: str = "") -> str:
     lines = [
         f"{head}: update {layout}; {device}; configs from {f.source}",
         "",
-        "| stage | peak GiB | parts (GiB) | fits |",
+        "| stage | peak | parts | fits |",
     ]
     lines.append("| --- | ---: | --- | --- |")
     for s in plan.stages:

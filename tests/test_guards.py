@@ -79,6 +79,8 @@ def test_the_last_evaluation_is_summarised_against_the_start(tmp_path: Path):
         evaluation_summary(run_dir, 3)
         == "iteration 1: diversity 0.190 (-5% vs start), grid energy 0.00100 (1.0x start)"
     )
+    _evaluations(tmp_path / "same", [0.001], diversity=[0.1999])  # -0.05%: was printed "-0% vs start"
+    assert "diversity 0.200 (±0% vs start)" in evaluation_summary(tmp_path / "same", 1)
 
 
 def test_a_streak_from_the_first_evaluation_leaves_the_starting_policy_and_another_measure_resets_nothing(
