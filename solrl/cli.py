@@ -801,10 +801,12 @@ def prune(
     keep_every: Annotated[int | None, typer.Option(min=0, help="Also keep every Mth iteration's (0 = none).")] = None,
     store: StoreOption = "runs",
 ) -> None:
-    """Remove pool data as storage.pool and storage.keep_pools say (the run's settings, or these): explore's
-    images, latents and trajectories and regenerate's likewise, of iterations whose checkpoint is committed.
-    Manifests keep the record of what was there; rankings, rewards, selections, checkpoints and evaluations stay,
-    and the run resumes and reports as before. A campaign applies the same rule after every iteration."""
+    """Remove pool data as storage.pool and storage.keep_pools say (the run's settings, or these).
+
+    Explore's images, latents and trajectories and regenerate's likewise, of iterations whose checkpoint is
+    committed. Manifests keep the record of what was there; rankings, rewards, selections, checkpoints and
+    evaluations stay, and the run resumes and reports as before. A campaign applies the same rule after every
+    iteration."""
     from solrl.storage.retention import prune_run
     from solrl.storage.runs import open_run, run_lock
 
