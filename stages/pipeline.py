@@ -283,16 +283,23 @@ def restore_pruned_inputs(ctx0: StageContext) -> list[tuple[int, str]]:
     for iteration, names in campaign_plan(ctx0.cfg):
         ctx = replace(ctx0, iteration=iteration)
         for name in names:
+            pruned = [
+                artifact.stage
+                for artifact in STAGES[name].reads
+                if artifact.offset == 0
+                and artifact.stage in STAGES
+                and (iteration, artifact.stage) not in restored
+                and (producer := read_manifest(ctx.run_dir, iteration, artifact.stage)) is not None
+                and producer.pruned
+            ]
+            if not pruned:
+                continue
             manifest = read_manifest(ctx.run_dir, iteration, name)
             if manifest is not None and manifest.inputs_hash == stage_key(ctx, STAGES[name]):
                 continue  # committed for its inputs: it reads nothing again
-            for artifact in STAGES[name].reads:
-                if artifact.offset != 0 or artifact.stage not in STAGES or (iteration, artifact.stage) in restored:
-                    continue
-                producer = read_manifest(ctx.run_dir, iteration, artifact.stage)
-                if producer is not None and producer.pruned:
-                    uncommit(ctx.run_dir, iteration, artifact.stage)
-                    restored.append((iteration, artifact.stage))
+            for stage in pruned:
+                uncommit(ctx.run_dir, iteration, stage)
+                restored.append((iteration, stage))
     return restored
 
 
