@@ -206,10 +206,10 @@ def list_runs(root: str | Path) -> list[dict[str, object]]:
     store = open_store(root)
     rows: list[dict[str, object]] = []
     for run_id in store.ls():
+        if not store.exists(f"{run_id}/{RUN_FILE}"):
+            continue  # not a run: MLflow's database and folder, anything else kept beside the runs
         try:
             data = json.loads(store.read_bytes(f"{run_id}/{RUN_FILE}"))
-        except FileNotFoundError:
-            continue  # not a run: MLflow's folder, anything else kept beside the runs
         except (OSError, ValueError):
             data = None
         if not (isinstance(data, dict) and isinstance(data.get("config", {}), dict)):

@@ -95,9 +95,10 @@ def test_ls_lists_a_run_whose_run_json_is_damaged_and_skips_folders_that_are_no_
     (tmp_path / "damaged").mkdir()
     (tmp_path / "damaged" / "run.json").write_text('{"run_id": "dam')
     (tmp_path / "mlartifacts").mkdir()
+    (tmp_path / "mlflow.db").write_bytes(b"SQLite format 3\x00")
     result = runner.invoke(app, ["ls", "--store", str(tmp_path)])
     assert result.exit_code == 0 and "damaged" in result.stdout and "run.json unreadable" in result.stdout
-    assert "mlartifacts" not in result.stdout
+    assert "mlartifacts" not in result.stdout and "mlflow.db" not in result.stdout
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks a machine without CUDA")
