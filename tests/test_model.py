@@ -276,3 +276,15 @@ def test_loading_tiny_digits_prints_no_diffusers_cast_warning(dtype, capfd):
     adapter = load_model(load_config("tiny-digits", [f"model.dtype={dtype}"]).model, torch.device("cpu"))
     assert next(adapter.transformer.parameters()).dtype == (torch.bfloat16 if dtype == "bfloat16" else torch.float32)
     assert "should be kept in float32" not in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("preset", ["tiny-sd3", "tiny-flux"])
+def test_a_tiny_twin_encodes_a_long_prompt_without_the_truncation_warning(preset, tmp_path, capfd):
+    """A twin's tokenizer spells words letter by letter, so its 16 tokens cut every prompt and diffusers warned
+    "The following part of your input was truncated" on every run of a twin."""
+    cfg = load_config(preset, [f"model.path={tmp_path / preset}"])
+    adapter = load_model(cfg.model, torch.device("cpu"))
+    capfd.readouterr()
+    cond = adapter.encode(["a photograph of a red fox sitting in the snow at the edge of a pine forest at dawn"])
+    assert cond["emb"].shape[0] == 1
+    assert "was truncated" not in capfd.readouterr().err

@@ -428,6 +428,13 @@ class TinyFamily:
     #: The largest ``model.resolution`` the tiny transformer takes (its position table), or None for no limit.
     max_resolution: ClassVar[int | None] = None
 
+    def _encode(self, prompts: list[str]) -> Conditioning:
+        """The family's encoding, without diffusers' truncation warning: a twin's tokenizers have tiny vocabularies
+        (a T5 twin's spells most words letter by letter), so its few tokens cut nearly every prompt, and every
+        run of a twin printed it. A real family keeps the warning."""
+        with quiet_diffusers():
+            return super()._encode(prompts)  # type: ignore[misc]
+
     @classmethod
     def validate_config(cls, cfg: RunConfig) -> None:
         super().validate_config(cfg)  # type: ignore[misc]
