@@ -208,16 +208,24 @@ def list_runs(root: str | Path) -> list[dict[str, object]]:
     for run_id in store.ls():
         if not store.exists(f"{run_id}/{RUN_FILE}"):
             continue  # not a run: MLflow's database and folder, anything else kept beside the runs
+        where = store.path(run_id) if store.local else store.url(run_id)
         try:
             data = json.loads(store.read_bytes(f"{run_id}/{RUN_FILE}"))
         except (OSError, ValueError):
             data = None
         if not (isinstance(data, dict) and isinstance(data.get("config", {}), dict)):
             # Listed, not hidden: inspect and resume name the damaged file; ls must not make the run look gone.
-            unreadable = f"{RUN_FILE} unreadable"
             rows.append(
-                {"run_id": run_id, "created": "", "iterations_done": "?", "iterations": "?", "model": unreadable}
-                | {"last_stage": "", "explore": "", "path": store.path(run_id) if store.local else store.url(run_id)}
+                {
+                    "run_id": run_id,
+                    "created": "",
+                    "iterations_done": "?",
+                    "iterations": "?",
+                    "model": f"{RUN_FILE} unreadable",
+                    "last_stage": "",
+                    "explore": "",
+                    "path": where,
+                }
             )
             continue
         iterations = sorted(name for name in store.ls(run_id) if name.startswith("iter_"))
@@ -244,17 +252,21 @@ def list_runs(root: str | Path) -> list[dict[str, object]]:
                 "explore": "{precision} pool {pool_size}".format(
                     **{"precision": "?", "pool_size": "?", **config.get("explore", {})}
                 ),
-                "path": store.path(run_id) if store.local else store.url(run_id),
+                "path": where,
             }
         )
     return sorted(rows, key=lambda r: str(r["created"]))
 
 
+def _run_lease(place: RunPlace, ttl: float = DEFAULT_TTL) -> Lease:
+    """The lease object of the run at ``place`` (``<run_dir>/_LEASE.json`` in its store)."""
+    return Lease(place.store, f"{place.key}/{LEASE}", ttl)
+
+
 def run_holder(run_dir: Path) -> str | None:
     """The live process holding the run's lease (``pid P on H for another S s``), or None; writes nothing (the
     lease is read, not taken), so it answers on a read-only store and never races a starting ``resume``."""
-    place = locate(Path(run_dir))
-    return Lease(place.store, f"{place.key}/{LEASE}").held_by()
+    return _run_lease(locate(Path(run_dir))).held_by()
 
 
 @contextmanager
@@ -269,7 +281,7 @@ def run_lock(run_dir: Path, ttl: float = DEFAULT_TTL) -> Iterator[None]:
     run_dir = Path(run_dir)
     place = locate(run_dir)
     store = place.store
-    lease = Lease(store, f"{place.key}/{LEASE}", ttl)
+    lease = _run_lease(place, ttl)
     try:
         lease.acquire()
     except LeaseHeld as exc:

@@ -151,13 +151,13 @@ class Tracker:
         try:
             stored = json.loads(state_file.read_text()) if state_file.exists() else {}
         except (OSError, ValueError) as exc:  # written atomically: only damage from outside gets here
-            stored = None
+            stored = {}
             logging.getLogger(__name__).warning(
                 "%s is unreadable (%s); this run logs to a new MLflow run (its earlier metrics are logged again)",
                 state_file,
                 exc.__class__.__name__,
             )
-        stored = stored if isinstance(stored, dict) else {}
+        stored = stored if isinstance(stored, dict) else {}  # valid JSON of another shape: as unreadable
         if stored.get("mlflow_run_id") and stored.get("tracking_uri") == self.uri:
             self.mlflow_run_id = stored["mlflow_run_id"]
             # A resumed run is running again (it was KILLED, FAILED, or left RUNNING by a SIGKILL).

@@ -43,8 +43,8 @@ def quiet_loading() -> None:
 
 @contextmanager
 def quiet_diffusers() -> Iterator[None]:
-    """diffusers' warnings silenced for the duration (casting a model built from its config, which warns about
-    modules to keep in float32 even when it names none)."""
+    """diffusers' warnings silenced for the duration: casting a model built from its config (it warns about
+    modules to keep in float32 even when it names none), a tiny twin's prompt truncation."""
     from diffusers.utils import logging as diffusers_logging
 
     level = diffusers_logging.get_verbosity()
