@@ -434,7 +434,9 @@ def staged_outputs(run_dir: Path) -> dict[str, object]:
 def test_two_shards_on_two_nodes_of_a_ray_cluster_with_the_store_only_on_s3(s3_and_local, tmp_path: Path):
     """A simulated 2-node Ray cluster (``ray.cluster_utils.Cluster``), each node with its own ``SOLRL_CACHE``:
     the shard tasks can share nothing but the S3 store. Each sharded stage's shards ran on the two nodes, and the
-    run equals the 1-process local one within the shard tests' tolerances."""
+    run equals the 1-process local one within the shard tests' tolerances. One iteration: its evaluation already
+    samples, on the nodes, the policy that Ray Train updated and the store holds (the second cost 50 s, mostly Ray
+    Train's start and the nodes' new worker processes)."""
     import pandas as pd
     import torch
     from ray.cluster_utils import Cluster
@@ -456,20 +458,21 @@ def test_two_shards_on_two_nodes_of_a_ray_cluster_with_the_store_only_on_s3(s3_a
             f"campaign.task_runner_address={cluster.address}",
             "train.launcher=ray",
             "train.workers=2",
+            "campaign.iterations=1",
         )
         run = create_run(tiny_config(Path("/unused"), f"storage.root={root}", *POOL_BATCHES, *extra), "same")
         prefect_campaign(root, "same")
     finally:
         cluster.shutdown()
-    for iteration in (1, 2):
-        for stage in ("explore", "regenerate", "score_explore"):
-            nodes = read_manifest(run.run_dir, iteration, stage).info["nodes"]
-            assert len(nodes) == 2 and len(set(nodes)) == 2 and all(n.startswith("ray:") for n in nodes), nodes
-        trained_on = read_manifest(run.run_dir, iteration, "update").info["nodes"]  # Ray Train's ranks 0 and 1
-        assert len(set(trained_on)) == 2 and set(trained_on) == set(nodes), (trained_on, nodes)
+    for stage in ("explore", "regenerate", "score_explore"):
+        nodes = read_manifest(run.run_dir, 1, stage).info["nodes"]
+        assert len(nodes) == 2 and len(set(nodes)) == 2 and all(n.startswith("ray:") for n in nodes), nodes
+    trained_on = read_manifest(run.run_dir, 1, "update").info["nodes"]  # Ray Train's ranks 0 and 1
+    assert len(set(trained_on)) == 2 and set(trained_on) == set(nodes), (trained_on, nodes)
     for name in ("node-a", "node-b"):  # each node fetched its inputs into its own cache, from the store
         assert list((tmp_path / name / "stores").glob("*/same/iter_000001/explore.shards/*/a-*"))
-    got, expected = staged_outputs(run.run_dir), staged_outputs(local)
+    got = staged_outputs(run.run_dir)
+    expected = {k: v for k, v in staged_outputs(local).items() if int(k.split("/")[0]) <= 1}
     pruned = [k for k in expected if k.endswith("/explore/candidates.zarr/images")]  # the flow kept latents only
     assert pruned and not any(k in got for k in pruned)
     expected = {k: v for k, v in expected.items() if k not in pruned}
@@ -477,14 +480,13 @@ def test_two_shards_on_two_nodes_of_a_ray_cluster_with_the_store_only_on_s3(s3_a
         k for k, v in expected.items() if isinstance(v, torch.Tensor) and k.split("/")[1] in ("update", "checkpoint")
     ]
     assert trained  # the update's and the checkpoint's tensors: within the torchrun test's tolerances
-    assert_close_trained({k: got.pop(k) for k in trained}, {k: expected.pop(k) for k in trained}, lr=5e-4, steps=4)
+    assert_close_trained({k: got.pop(k) for k in trained}, {k: expected.pop(k) for k in trained}, lr=5e-4, steps=2)
     assert_close_outputs(got, expected)
     kept = ["group", "slot", "candidate_index", "seed"]
-    for iteration in (1, 2):
-        got = pd.read_parquet(require(run.run_dir, iteration, "select")[0] / "selection.parquet")
-        pd.testing.assert_frame_equal(
-            got[kept], pd.read_parquet(require(local, iteration, "select")[0] / "selection.parquet")[kept]
-        )
+    got = pd.read_parquet(require(run.run_dir, 1, "select")[0] / "selection.parquet")
+    pd.testing.assert_frame_equal(
+        got[kept], pd.read_parquet(require(local, 1, "select")[0] / "selection.parquet")[kept]
+    )
 
 
 def test_a_reader_on_another_machine_downloads_only_the_chunks_it_indexes(s3_and_local, tmp_path, monkeypatch):

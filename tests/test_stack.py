@@ -7,9 +7,9 @@ does.
 One stack and one pair of campaigns (the ``campaigns`` fixture) for the module's tests:
 - unauthenticated requests to the Prefect and MLflow servers are refused (401), a foreign Host header too (403);
 - two triggers of the one-GPU deployment never overlap although two workers poll: a 1-iteration campaign whose
-  MLflow server is restarted in the middle, then ``campaign.shards=8`` over 2 iterations against the 20
-  connections; both complete on workers with every stage committed on S3, each MLflow run FINISHED with each
-  (key, step) logged exactly once, and no server logs a pool or connection error;
+  MLflow server is restarted in the middle, then one of ``campaign.shards=8`` against the 20 connections; both
+  complete on workers with every stage committed on S3, each MLflow run FINISHED with each (key, step) logged
+  exactly once, and no server logs a pool or connection error;
 - the second campaign's worker is SIGKILLed with its flow run mid-campaign: the flow run is marked Crashed
   (``docker/automations.yaml`` notices the missing heartbeats), and the UI's Retry resumes it on the other worker
   at the first uncommitted stage;
@@ -327,7 +327,8 @@ def campaigns(stack: Stack) -> dict:
     """Two campaigns of the one-GPU deployment through the API, the second triggered while the first runs:
     - ``first``, 1 iteration; the MLflow server is stopped once its explore[1] is on the store and started
       again 3 s later;
-    - ``second``, ``campaign.shards=8`` over 2 iterations (over a hundred task runs against 20 connections); once its
+    - ``second``, 1 iteration of ``campaign.shards=8`` (8 task runs at once, over 50 in all, against 20
+      connections; a second iteration cost 45 s and added only more of the same); once its
       regenerate[1] is committed, the worker running it is SIGKILLed with its flow-run process (the node is
       gone), the automation marks the flow run Crashed, and the UI's Retry sends it to the other worker.
     Returns the flow runs, run ids, the killed and surviving workers, and the stages committed before the kill."""
@@ -347,7 +348,7 @@ def campaigns(stack: Stack) -> dict:
         _wait_state(client, first.id, lambda r: r.state.is_running(), "running", stack)
         # A shard per prompt; pools of 4 and no audit, as the shards and their task runs are what it is for.
         many = ("campaign.prompts_per_iteration=8", "explore.pool_size=4", "select.k=2", "fidelity.audit_every=0")
-        second = trigger(2, "campaign.shards=8", *many)
+        second = trigger(1, "campaign.shards=8", *many)
         first_id, second_id = (f"tiny-digits-{str(r.id)[:8]}" for r in (first, second))
         _wait_state(client, first.id, lambda r: _on_store(stack, f"runs/{first_id}/iter_000001/explore/"), "", stack)
         _stop(stack.procs["mlflow"], timeout=30)
@@ -408,9 +409,9 @@ def test_the_campaigns_ran_on_the_workers_one_at_a_time_and_committed_every_stag
     assert first.end_time <= second.start_time, "two campaigns of the one-GPU deployment ran at once"
     assert first.work_pool_name == second.work_pool_name == "solrl"
     assert str(first.id) in stack.log_text() and str(second.id) in stack.log_text()  # a worker submitted each
-    for name, iterations in (("first", 1), ("second", 2)):
+    for name in ("first", "second"):
         run = open_run(campaigns["store"], campaigns["ids"][name])
-        assert run.config.campaign.iterations == iterations
+        assert run.config.campaign.iterations == 1
         for iteration, stages in campaign_plan(run.config):
             for stage in stages:
                 assert read_manifest(run.run_dir, iteration, stage, verify=True), (name, iteration, stage)
@@ -460,7 +461,7 @@ def _logged(stack: Stack, mlflow_run_id: str) -> dict[tuple[str, int], int]:
         connection.close()
 
 
-def test_hundreds_of_task_runs_against_twenty_connections_give_no_pool_or_connection_error(stack: Stack, campaigns):
+def test_dozens_of_task_runs_against_twenty_connections_give_no_pool_or_connection_error(stack: Stack, campaigns):
     """Prefect #6492 and #17344: a server's connection pool against a small ``max_connections``."""
     run = open_run(campaigns["store"], campaigns["ids"]["second"])
     assert run.config.campaign.shards == 8
@@ -475,9 +476,9 @@ def test_hundreds_of_task_runs_against_twenty_connections_give_no_pool_or_connec
         while page := client.read_task_runs(flow_run_filter=flow_runs, limit=200, offset=len(tasks)):  # 200 a page
             tasks.extend(page)
     shard_runs = {t.name for t in tasks if " shard " in t.name}
-    for iteration in (1, 2):  # each iteration's sharded stages as 8 task runs each
-        assert {f"explore[{iteration}] shard {i}/8" for i in range(8)} <= shard_runs, sorted(shard_runs)
-    assert len(tasks) >= 100, len(tasks)
+    for stage in ("evaluate[0]", "explore[1]", "regenerate[1]", "evaluate[1]"):  # each sharded stage as 8 task runs
+        assert {f"{stage} shard {i}/8" for i in range(8)} <= shard_runs, sorted(shard_runs)
+    assert len(tasks) >= 50, len(tasks)
     errors = re.compile(r"QueuePool limit|TooManyConnections|too many clients|remaining connection slots", re.I)
     for name, text in (("a server", stack.log_text()), ("PostgreSQL", stack.pg_log.read_text())):
         found = errors.search(text)
@@ -492,7 +493,7 @@ def test_a_killed_worker_leaves_its_run_crashed_and_the_retry_resumes_on_the_oth
     survivor = (stack.logs / f"{campaigns['survivor']}.log").read_text()
     assert f"submitting flow run '{flow_run_id}'" in survivor  # the other worker ran the retry
     before = campaigns["before_kill"]
-    assert (1, "regenerate") in before and (3, "checkpoint") not in before
+    assert (1, "regenerate") in before and (1, "evaluate") not in before  # the retry had stages to run
     after = _committed(campaigns["store"], campaigns["ids"]["second"])
     for key, created in before.items():
         assert after[key] == created, f"{key} was recomputed"
