@@ -193,14 +193,16 @@ def test_resume_may_record_another_shard_count_without_touching_the_config_hash(
 def test_two_shards_on_a_local_dask_cluster_give_the_one_shard_run(tmp_path: Path, one_shard: Path):
     """Through the Prefect flow, each shard task submitted to a local Dask cluster of 2 worker processes. Ray's
     shards are checked against the one-process run by the 2-node Ray test (``test_object_store``), which shares
-    its campaign with Ray Train's update; the local Ray instance a campaign starts is ``test_distributed``'s."""
+    its campaign with Ray Train's update; the local Ray instance a campaign starts is ``test_distributed``'s. One
+    iteration: its evaluation's shards already sample the updated policy from the store."""
     from solrl.flows.sol_rl import campaign as prefect_campaign
 
-    extra = (*FOUR_PROMPTS, "campaign.shards=2", "campaign.task_runner=dask", "campaign.iterations=2")
+    extra = (*FOUR_PROMPTS, "campaign.shards=2", "campaign.task_runner=dask", "campaign.iterations=1")
     run = create_run(tiny_config(tmp_path / "dask", *extra), RUN_ID)
     prefect_campaign(str(run.run_dir.parent), RUN_ID)
-    assert_same_outputs(run.run_dir, one_shard, 2)
-    assert read_manifest(run.run_dir, 2, "explore").info["shards"] == 2
+    assert_same_outputs(run.run_dir, one_shard, 1)
+    assert read_manifest(run.run_dir, 1, "explore").info["shards"] == 2
+    assert read_manifest(run.run_dir, 1, "evaluate").info["shards"] == 2
 
 
 def test_sharded_scoring_of_two_rewards_writes_the_whole_stages_table(tmp_path: Path):
