@@ -27,7 +27,7 @@ from solrl.flows.progress import current as current_progress
 from solrl.flows.progress import stage_notes
 from solrl.flows.progress import start as start_progress
 from solrl.flows.runners import shard_submit_options, shard_task_runner
-from solrl.processes import stop_signal
+from solrl.processes import disk_full, stop_signal
 from solrl.stages.context import StageContext
 from solrl.stages.guards import guard_trip
 from solrl.stages.pipeline import (
@@ -58,7 +58,21 @@ _ARTIFACTS = {
 }
 
 
-@task(task_run_name="{stage}[{iteration}]", cache_policy=NO_CACHE, persist_result=False, retry_delay_seconds=2)
+def _worth_retrying(task, task_run, state) -> bool:
+    """Prefect's ``retry_condition_fn`` of the stage and shard tasks: a stage that failed because a disk is full
+    (``solrl.processes.disk_full``) is not run again 2 s later on a disk as full (an update of hours, for
+    nothing): the campaign fails at once, and ``solrl run`` says where space is short."""
+    error = state.data
+    return not (isinstance(error, BaseException) and disk_full(error) is not None)
+
+
+@task(
+    task_run_name="{stage}[{iteration}]",
+    cache_policy=NO_CACHE,
+    persist_result=False,
+    retry_delay_seconds=2,
+    retry_condition_fn=_worth_retrying,
+)
 def stage_task(store: str, run_id: str, iteration: int, stage: str) -> dict:
     """Run (or skip) one stage; returns its manifest as a dict."""
     run = open_run(store, run_id)
@@ -85,6 +99,7 @@ def stage_task(store: str, run_id: str, iteration: int, stage: str) -> dict:
     cache_policy=NO_CACHE,
     persist_result=False,
     retry_delay_seconds=2,
+    retry_condition_fn=_worth_retrying,
 )
 def shard_task(store: str, run_id: str, iteration: int, stage: str, index: int, count: int) -> bool:
     """Run (or skip) shard ``index`` of ``count`` of a sharded stage (its prompts only, committed on its own, so

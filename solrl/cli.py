@@ -151,6 +151,14 @@ def _launch(store: str, run_id: str) -> None:
             _fail(("terminated (SIGTERM)" if code == 143 else "interrupted") + f"; {resume}", code)
         if not isinstance(exc, Exception):
             raise
+        from solrl.processes import disk_full
+
+        if (full := disk_full(exc)) is not None:  # not retried (flows.sol_rl): say where space is short
+            _fail(
+                f"a disk is full: {full.__class__.__name__}: {full}\n  free space: {_free_space(store)}\n"
+                f"  committed stages are kept; free some, then continue with `solrl resume {run_id} --store {store}`",
+                1,
+            )
         _fail(
             f"{exc.__class__.__name__}: {exc}\n  committed stages are kept; continue with "
             f"`solrl resume {run_id} --store {store}`",
@@ -163,6 +171,37 @@ def _launch(store: str, run_id: str) -> None:
 
         typer.echo(f"solrl: {stop}", err=True)
         raise typer.Exit(GUARD_STOP_EXIT)
+
+
+def _free_space(store: str) -> str:
+    """The free space of each file system this machine's solrl writes to, with what it holds there: the run store
+    (a local one), the cache (``SOLRL_CACHE``: models, an object store's mirrors), Prefect's home (its database)
+    and the temporary folder. For example ``832.0 kB on run store /mnt/runs; 41.2 GB on cache ~/.cache/solrl,
+    Prefect home ~/.prefect, temp /tmp``."""
+    import shutil
+    import tempfile
+
+    from prefect.settings import PREFECT_HOME
+    from rich.filesize import decimal
+
+    from solrl.storage.mirror import cache_root
+    from solrl.storage.store import Store
+
+    places = [
+        ("cache", cache_root()),
+        ("Prefect home", Path(PREFECT_HOME.value())),
+        ("temp", Path(tempfile.gettempdir())),
+    ]
+    opened = Store.open(store)
+    if opened.local:
+        places.insert(0, ("run store", Path(opened.root)))
+    systems: dict[int, tuple[Path, list[str]]] = {}
+    for label, path in places:
+        existing = path
+        while not existing.exists() and existing != existing.parent:  # not made yet: where it would be
+            existing = existing.parent
+        systems.setdefault(existing.stat().st_dev, (existing, []))[1].append(f"{label} {path}")
+    return "; ".join(f"{decimal(shutil.disk_usage(at).free)} on {', '.join(held)}" for at, held in systems.values())
 
 
 def _guard_stop(store: str, run_id: str) -> str | None:
@@ -311,7 +350,8 @@ def run(
         for warning in cfg.warnings():
             typer.echo(f"solrl: warning: {warning}", err=True)
         typer.echo(
-            f"run {created.run_id}: {cfg.campaign.iterations} iterations, explore {cfg.explore.precision} "
+            f"run {created.run_id}: {cfg.campaign.iterations} iteration{'s' * (cfg.campaign.iterations != 1)}, "
+            f"explore {cfg.explore.precision} "
             f"pool {cfg.explore.pool_size} -> keep {cfg.select.k}, store {created.store}\n{memory}"
         )
         _launch(created.store, created.run_id)

@@ -1,8 +1,10 @@
-"""Child processes that must not outlive solrl (the temporary Prefect server, torchrun)."""
+"""Child processes that must not outlive solrl (the temporary Prefect server, torchrun), and the failures that end
+a process rather than a try: a stop signal, a full disk."""
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import signal
 
@@ -39,5 +41,27 @@ def stop_signal(exc: BaseException) -> int | None:
             return current.signal
         if isinstance(current, KeyboardInterrupt):
             return getattr(current, "signal", signal.SIGINT)
+        current = current.__cause__ or current.__context__
+    return None
+
+
+#: ``errno`` values of a write that a retry cannot make succeed: the device is full, the user's quota is spent.
+DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+#: How SQLite (MLflow's and Prefect's default databases) says the same, without an errno.
+_SQLITE_FULL = "database or disk is full"
+
+
+def disk_full(exc: BaseException) -> Exception | None:
+    """The error in ``exc`` or its chain (``__cause__``, ``__context__``) that says a disk is full: an ``OSError``
+    with ``errno`` ENOSPC or EDQUOT (pyarrow's, Zarr's and torch's writes raise these), or SQLite's "database or
+    disk is full" (MLflow's tracking store); None when there is none."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in DISK_FULL_ERRNOS:
+            return current
+        if isinstance(current, Exception) and _SQLITE_FULL in str(current):
+            return current
         current = current.__cause__ or current.__context__
     return None

@@ -3,7 +3,8 @@
 With ``SOLRL_FAULT=<iteration>:<stage>:<point>`` in its environment, a process that imported this module
 SIGKILLs itself when that stage's commit reaches ``<point>`` (``COMMIT_POINTS``: ``write``, ``renamed``,
 ``committed``; ``rank<r>`` in process r of a multi-process update). A ``:raise`` suffix raises ``RuntimeError``
-there instead: a failure the process survives (a failed Prefect flow run, for retry tests). With
+there instead: a failure the process survives (a failed Prefect flow run, for retry tests); ``:enospc`` raises the
+``OSError`` of a full disk (errno ENOSPC). With
 ``SOLRL_FAULT_ONCE=<path>`` as well, the fault fires only while ``<path>`` does not exist, and creates it first (a
 worker that serves the retry too, with the same environment).
 
@@ -14,6 +15,7 @@ processes that one starts in turn (a served flow run, torchrun's workers, Ray's)
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 from pathlib import Path
@@ -37,7 +39,7 @@ def fault_env(spec: str, once: Path | None = None) -> dict[str, str]:
 def _fault(iteration: int, stage: str, point: str) -> None:
     spec = os.environ.get(FAULT_ENV)
     here = f"{iteration}:{stage}:{point}"
-    if spec not in (here, f"{here}:raise"):
+    if spec not in (here, f"{here}:raise", f"{here}:enospc"):
         return
     if once := os.environ.get(FAULT_ONCE_ENV):
         try:
@@ -46,6 +48,8 @@ def _fault(iteration: int, stage: str, point: str) -> None:
             return
     if spec == here:
         os.kill(os.getpid(), signal.SIGKILL)
+    if spec.endswith(":enospc"):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"fault injected at {here} ({FAULT_ENV})")
     raise RuntimeError(f"fault injected at {here} ({FAULT_ENV})")
 
 

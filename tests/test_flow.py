@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -172,3 +173,34 @@ def test_two_first_runs_started_together_each_with_a_new_prefect_home_and_one_ne
     assert sorted(r.info.status for r in runs) == ["FINISHED", "FINISHED"]
     for r in runs:
         assert [m.step for m in client.get_metric_history(r.info.run_id, "eval/digit_alignment")] == [0, 1]
+
+
+def test_a_full_disk_fails_the_stage_at_once_says_where_space_is_short_and_the_resume_finishes(tmp_path, monkeypatch):
+    """A write that finds the disk full (``OSError`` ENOSPC, here injected once at update[1]'s write) is not
+    retried: a retry 2 s later would find the disk as full, after recomputing the stage. Here the fault fires
+    once, so a retry would have succeeded and the run finished: it must fail instead. The error names the full
+    disk and the free space of each file system solrl writes to; nothing committed is lost, and the resume
+    finishes the run."""
+    from fault_injection import fault_env
+    from typer.testing import CliRunner
+
+    from solrl.cli import app
+
+    store = tmp_path / "store"
+    sets = [a for o in [*TINY, "campaign.iterations=1", f"storage.root={store}"] for a in ("--set", o)]
+    for name, value in fault_env("1:update:write:enospc", once=tmp_path / "fault-fired").items():
+        monkeypatch.setenv(name, value)  # this process imported the plug-in (conftest): PYTHONPATH is harmless
+    failed = CliRunner().invoke(app, ["run", *sets, "--run-id", "full"])
+    assert failed.exit_code == 1, failed.output
+    assert (tmp_path / "fault-fired").exists()
+    line = [ln for ln in failed.stderr.splitlines() if ln.startswith("solrl: error: ")][-1]
+    assert line.startswith("solrl: error: a disk is full: OSError: [Errno 28] No space left on device"), line
+    free = failed.stderr.split("free space: ")[1].splitlines()[0]  # one file system here: store, cache, ...
+    assert re.fullmatch(rf"[0-9.]+ [kMGT]?B on run store {store}, cache .+, Prefect home .+, temp .+", free), free
+    assert f"free some, then continue with `solrl resume full --store {store}`" in failed.stderr
+    committed = {s.name for s in ITERATION if read_manifest(store / "full", 1, s.name)}
+    assert "score_regenerate" in committed and "update" not in committed
+
+    resumed = CliRunner().invoke(app, ["resume", "full", "--store", str(store)])
+    assert resumed.exit_code == 0, resumed.output
+    _committed(store / "full", 1)
