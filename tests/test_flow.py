@@ -204,3 +204,31 @@ def test_a_full_disk_fails_the_stage_at_once_says_where_space_is_short_and_the_r
     resumed = CliRunner().invoke(app, ["resume", "full", "--store", str(store)])
     assert resumed.exit_code == 0, resumed.output
     _committed(store / "full", 1)
+
+
+def test_a_full_disk_is_told_from_other_errors_through_the_exception_chain():
+    import errno
+    import sqlite3
+
+    from solrl.processes import disk_full
+
+    full = OSError(errno.ENOSPC, "No space left on device")
+    assert disk_full(full) is full
+    quota = OSError(errno.EDQUOT, "Disk quota exceeded")
+    assert disk_full(quota) is quota
+    try:  # how MLflow's store raises it: SQLAlchemy's error wrapping sqlite3's
+        try:
+            raise sqlite3.OperationalError("database or disk is full")
+        except sqlite3.OperationalError as exc:
+            raise RuntimeError("(sqlite3.OperationalError) database or disk is full [SQL: INSERT ...]") from exc
+    except RuntimeError as wrapped:
+        assert disk_full(wrapped) is wrapped
+    try:
+        try:
+            raise full
+        except OSError:
+            raise ValueError("Task run is not set")  # noqa: B904 - an error raised while handling it
+    except ValueError as during:
+        assert disk_full(during) is full
+    for other in (OSError(errno.EACCES, "Permission denied"), FileNotFoundError("x"), RuntimeError("boom")):
+        assert disk_full(other) is None
