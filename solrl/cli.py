@@ -200,8 +200,10 @@ def _free_space(store: str) -> str:
         existing = path
         while not existing.exists() and existing != existing.parent:  # not made yet: where it would be
             existing = existing.parent
-        systems.setdefault(existing.stat().st_dev, (existing, []))[1].append(f"{label} {path}")
-    return "; ".join(f"{decimal(shutil.disk_usage(at).free)} on {', '.join(held)}" for at, held in systems.values())
+        with contextlib.suppress(OSError):  # what cannot be looked at is left out of an error message
+            systems.setdefault(existing.stat().st_dev, (existing, []))[1].append(f"{label} {path}")
+    free = {at: shutil.disk_usage(at).free for at, _ in systems.values()}
+    return "; ".join(f"{decimal(free[at])} on {', '.join(held)}" for at, held in systems.values())
 
 
 def _guard_stop(store: str, run_id: str) -> str | None:

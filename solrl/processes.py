@@ -7,6 +7,7 @@ import ctypes
 import errno
 import os
 import signal
+from collections.abc import Iterator
 
 _PR_SET_PDEATHSIG = 1
 
@@ -33,16 +34,22 @@ def stop_signal(exc: BaseException) -> int | None:
     handler's ``ValueError: Task run is not set``, raised while handling the stop."""
     from prefect.exceptions import TerminationSignal
 
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
+    for current in _chain(exc):
         if isinstance(current, TerminationSignal):
             return current.signal
         if isinstance(current, KeyboardInterrupt):
             return getattr(current, "signal", signal.SIGINT)
-        current = current.__cause__ or current.__context__
     return None
+
+
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    """``exc``, then what it was raised from or while handling (``__cause__``, else ``__context__``), each once."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__
 
 
 #: ``errno`` values of a write that a retry cannot make succeed: the device is full, the user's quota is spent.
@@ -55,13 +62,9 @@ def disk_full(exc: BaseException) -> Exception | None:
     """The error in ``exc`` or its chain (``__cause__``, ``__context__``) that says a disk is full: an ``OSError``
     with ``errno`` ENOSPC or EDQUOT (pyarrow's, Zarr's and torch's writes raise these), or SQLite's "database or
     disk is full" (MLflow's tracking store); None when there is none."""
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
+    for current in _chain(exc):
         if isinstance(current, OSError) and current.errno in DISK_FULL_ERRNOS:
             return current
         if isinstance(current, Exception) and _SQLITE_FULL in str(current):
             return current
-        current = current.__cause__ or current.__context__
     return None
