@@ -39,6 +39,10 @@ ForceOption = Annotated[
 ]
 
 
+#: The largest ``solrl plan --gpu`` taken, in GiB: far above any accelerator's memory, below sizes that mean a typo.
+MAX_DEVICE_GIB = 4096.0
+
+
 def _fail(message: str, code: int = 2) -> None:
     typer.echo(f"solrl: error: {message}", err=True)
     raise typer.Exit(code)
@@ -299,6 +303,9 @@ def plan(
     Measured on PyTorch's meta device from the transformer's and VAE's configs (the weights folder's, else the
     published configs solrl ships): no weights are read and no GPU is needed."""
     _quiet_environment()
+    for gib in gpu or []:
+        if not (math.isfinite(gib) and 0 < gib <= MAX_DEVICE_GIB):
+            _fail(f"--gpu {gib:g}: a device's memory is a number of GiB above 0 and at most {MAX_DEVICE_GIB:g}")
     try:
         cfg = load_config(config, set_ or [])
         import torch
@@ -924,10 +931,14 @@ def export(
         )
     policy = context.load_policy(checkpoint, encode_prompts=False)
     replaced = " (it replaced the file there)" if (out / LORA_WEIGHTS).exists() else ""
+    from safetensors import SafetensorError
+
     try:
         path = save_diffusers_lora(policy, adapter, family.pipeline_class, out)
     except OSError as exc:
         _fail(f"--out {out}: cannot write the LoRA there ({exc.strerror or exc})")
+    except SafetensorError as exc:  # safetensors' writer: an I/O error (read-only, a folder of the file's name)
+        _fail(f"--out {out}: cannot write the LoRA there ({str(exc).removeprefix('Error while serializing: ')})")
     if family.stock_pipeline:
         how = f"{family.pipeline_class}.from_pretrained(...).load_lora_weights({str(out)!r})"
     else:  # no stock pipeline samples this family: the LoRA goes onto its transformer

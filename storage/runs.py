@@ -97,8 +97,8 @@ def create_run(cfg: RunConfig, run_id: str | None = None, weights: dict[str, str
     the weights' fingerprint ``weights`` (``solrl.storage.fingerprint``; a resume refuses weights that changed).
 
     Raises:
-        ConfigError: bad run id, a run of that id already exists (use ``solrl resume``), or the store cannot be
-            written (read-only, full, or not a folder).
+        ConfigError: bad run id, a run of that id already exists (use ``solrl resume``), its folder holds files
+            but no ``run.json``, or the store cannot be written (read-only, full, or not a folder).
     """
     run_id = check_run_id(run_id or new_run_id(cfg.name))
     store = open_store(cfg.storage.root)
@@ -110,6 +110,11 @@ def create_run(cfg: RunConfig, run_id: str | None = None, weights: dict[str, str
         )
     prompts = cfg.prompts_digest()
     try:
+        if store.ls(run_id):  # a run's folder whose run.json is gone: its stages would pass for the new run's
+            raise ConfigError(
+                f"{where}/{run_id} holds files but no {RUN_FILE}, so it is no run solrl can continue, and a new run "
+                f"there would take its committed stages for its own; move the folder away or pick another run id"
+            )
         run_dir = run_folder(store, run_id)
         _write_run_file(
             store,

@@ -29,6 +29,9 @@ runner = CliRunner()
         (["run", "--run-id", "../escape"], "run id '../escape' must be"),
         (["run", "--set", "train.loss_options={grpo_guard: true}"], "train.loss_options.grpo_guard: unknown key"),
         (["run", "--set", "campaign.on_guard=halt"], "campaign.on_guard: Input should be 'warn' or 'stop'"),
+        (["plan", "--gpu", "nan"], "--gpu nan: a device's memory is a number of GiB above 0 and at most 4096"),
+        (["plan", "--gpu", "0"], "--gpu 0: a device's memory"),
+        (["plan", "--gpu", "1e30"], "--gpu 1e+30: a device's memory"),
     ],
 )
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path: Path, args, match):
@@ -286,3 +289,20 @@ def test_serve_refuses_bad_input_in_one_line(args, env, match, monkeypatch):
     assert result.exit_code == 2, result.output
     assert match in result.output
     assert "Traceback" not in result.output
+
+
+def test_a_run_folder_without_its_run_json_is_not_taken_over_by_a_new_run(tmp_path: Path):
+    """A run whose run.json was deleted keeps its committed stages: a new run of that id would have taken them
+    for its own (``ls``, ``verify`` and ``report`` counted another run's iteration 2 as the new one's)."""
+    store = tmp_path / "store"
+    manifest = store / "A" / "iter_000002" / "evaluate" / "_MANIFEST.json"
+    manifest.parent.mkdir(parents=True)
+    manifest.write_text('{"run_id": "other"}')
+    result = runner.invoke(app, ["run", "--run-id", "A", "--set", f"storage.root={store}"])
+    assert result.exit_code == 2, result.output
+    (line,) = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert line == (
+        f"solrl: error: {store}/A holds files but no run.json, so it is no run solrl can continue, and a new run "
+        "there would take its committed stages for its own; move the folder away or pick another run id"
+    )
+    assert sorted(p.name for p in (store / "A").rglob("*")) == ["_MANIFEST.json", "evaluate", "iter_000002"]

@@ -129,6 +129,14 @@ def test_checkpoint_stage_and_solrl_export_write_a_loadable_lora(tmp_path: Path,
             app, ["export", "export", "--out", str(tmp_path / "x"), "--store", str(run.run_dir.parent), *args]
         )
         assert bad.exit_code == 2 and message in bad.stderr, bad.output
+    # safetensors' writer raises its own error, not an OSError: a folder where the file goes was a traceback
+    (tmp_path / "taken" / LORA_WEIGHTS).mkdir(parents=True)
+    taken = runner.invoke(
+        app, ["export", "export", "--out", str(tmp_path / "taken"), "--store", str(run.run_dir.parent)]
+    )
+    assert taken.exit_code == 2, taken.output
+    why = "I/O error: Is a directory (os error 21)"
+    assert taken.stderr.strip() == f"solrl: error: --out {tmp_path / 'taken'}: cannot write the LoRA there ({why})"
 
 
 def test_the_exported_metadata_is_canonical_so_a_redone_checkpoint_keeps_its_bytes(tmp_path: Path):
