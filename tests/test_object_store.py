@@ -435,7 +435,7 @@ def test_two_shards_on_two_nodes_of_a_ray_cluster_with_the_store_only_on_s3(s3_a
     """A simulated 2-node Ray cluster (``ray.cluster_utils.Cluster``), each node with its own ``SOLRL_CACHE``:
     the shard tasks can share nothing but the S3 store. Each sharded stage's shards ran on the two nodes, and the
     run equals the 1-process local one within the shard tests' tolerances. One iteration: its evaluation already
-    samples, on the nodes, the policy that Ray Train updated and the store holds (the second cost 50 s, mostly Ray
+    samples, on the nodes, the policy that Ray Train updated and the store holds (the second cost 85 s, mostly Ray
     Train's start and the nodes' new worker processes)."""
     import pandas as pd
     import torch
