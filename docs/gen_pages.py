@@ -48,6 +48,14 @@ def _type_name(annotation: object) -> str:
     return getattr(annotation, "__name__", str(annotation))
 
 
+def _field_type(field: typing.Any) -> str:
+    """The field's type with its bounds (``int (>= 2, <= 4096)``), so that the page says what ``--set`` accepts."""
+    bounds = {kind: getattr(m, kind) for m in field.metadata for kind in ("ge", "gt", "le", "lt") if hasattr(m, kind)}
+    words = {"ge": ">= {}", "gt": "> {}", "le": "<= {}", "lt": "< {}"}
+    ranged = ", ".join(words[kind].format(value) for kind, value in bounds.items())
+    return _type_name(field.annotation) + (f" ({ranged})" if ranged else "")
+
+
 def _default(field: typing.Any) -> str:
     if field.default_factory is not None:
         value = field.default_factory()
@@ -79,7 +87,7 @@ def config_reference() -> str:
             continue
         hashed = "no (set by the loader)" if name == "base_dir" else "yes"
         out.append(
-            f"| `{name}` | {_type_name(annotation)} | {_default(field)} | {hashed} | {_cell(field.description or '')} |"
+            f"| `{name}` | {_field_type(field)} | {_default(field)} | {hashed} | {_cell(field.description or '')} |"
         )
     for section, model in sections:
         out += ["", f"## `{section}`", "", _cell((model.__doc__ or "").strip()), ""]
@@ -87,7 +95,7 @@ def config_reference() -> str:
         for key, field in model.model_fields.items():
             hashed = "no (layout)" if (section, key) in layout else "yes"
             out.append(
-                f"| `{section}.{key}` | {_type_name(field.annotation)} | {_default(field)} | {hashed} | "
+                f"| `{section}.{key}` | {_field_type(field)} | {_default(field)} | {hashed} | "
                 f"{_cell(field.description or '')} |"
             )
     return "\n".join(out) + "\n"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import shlex
 import signal
 import sys
 from collections.abc import Iterator
@@ -46,6 +47,12 @@ MAX_DEVICE_GIB = 4096.0
 def _fail(message: str, code: int = 2) -> None:
     typer.echo(f"solrl: error: {message}", err=True)
     raise typer.Exit(code)
+
+
+def _command(*words: object) -> str:
+    from solrl.storage.runs import solrl_command
+
+    return solrl_command(*words)
 
 
 def _quiet_environment() -> None:
@@ -120,7 +127,7 @@ def _stoppable(resume: list[str]) -> Iterator[None]:
         if code is None:
             raise
         created = resume and (Path(resume[1]) / resume[0] / "run.json").exists()
-        hint = f"; continue with `solrl resume {resume[0]} --store {resume[1]}`" if created else ""
+        hint = f"; continue with `{_command('resume', resume[0], '--store', resume[1])}`" if created else ""
         _fail(("terminated (SIGTERM)" if code == 143 else "interrupted") + hint, code)
 
 
@@ -143,7 +150,7 @@ def _launch(store: str, run_id: str) -> None:
     signal.signal(signal.SIGTERM, _raise_terminated)  # also for callers without _stoppable
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where the shell has it ignored
         signal.signal(signal.SIGINT, _raise_interrupted)
-    resume = f"continue with `solrl resume {run_id} --store {store}`"
+    resume = f"continue with `{_command('resume', run_id, '--store', store)}`"
     try:
         with prefect_api():
             campaign(store, run_id)
@@ -160,12 +167,11 @@ def _launch(store: str, run_id: str) -> None:
         if (full := disk_full(exc)) is not None:  # not retried (flows.sol_rl): say where space is short
             _fail(
                 f"a disk is full: {full.__class__.__name__}: {full}\n  free space: {_free_space(store)}\n"
-                f"  committed stages are kept; free some, then continue with `solrl resume {run_id} --store {store}`",
+                f"  committed stages are kept; free some, then {resume}",
                 1,
             )
         _fail(
-            f"{exc.__class__.__name__}: {exc}\n  committed stages are kept; continue with "
-            f"`solrl resume {run_id} --store {store}`",
+            f"{exc.__class__.__name__}: {exc}\n  committed stages are kept; {resume}",
             1,
         )
     stop = _guard_stop(store, run_id)
@@ -242,14 +248,15 @@ def _report(store: str, run_id: str, outcome: str = "finished") -> None:
         mlflow_ui = f"{experiment_url(uri, experiment)}"
     else:  # one server process and no GenAI job workers (MLflow's default starts about ten processes)
         mlflow_ui = (
-            f"MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false mlflow ui --workers 1 --backend-store-uri {uri}\n"
+            f"MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false mlflow ui --workers 1 --backend-store-uri {shlex.quote(uri)}\n"
             f"              (then {experiment_url('http://127.0.0.1:5000', experiment)})"
         )
     api = os.environ.get("PREFECT_API_URL")
     if api:
         prefect_ui = f"{api.removesuffix('/').removesuffix('/api')}   (the server of PREFECT_API_URL)"
     else:
-        prefect_home = os.environ.get("PREFECT_HOME", "~/.prefect")
+        home = os.environ.get("PREFECT_HOME")  # Prefect's default, unquoted so that the shell expands its ~
+        prefect_home = "~/.prefect" if home is None else shlex.quote(home)
         prefect_ui = f"PREFECT_HOME={prefect_home} prefect server start   (then http://127.0.0.1:4200)"
     mirrored = run.place.mirrored  # an object store's run, worked on through a mirror here
     typer.echo(
@@ -259,8 +266,8 @@ def _report(store: str, run_id: str, outcome: str = "finished") -> None:
         + (f"  evaluated:  {summary}\n" if summary else "")
         + f"  per-iteration stages: {run.run_dir}/iter_*/<stage>/ (Zarr pools, Parquet tables, checkpoint)\n"
         f"  report:     {run.run_dir / REPORT_DIR / 'report.html'}\n"
-        f"  table:      solrl report {run_id} --store {run.store}\n"
-        f"  LoRA:       solrl export {run_id} --store {run.store} --out <folder>\n"
+        f"  table:      {_command('report', run_id, '--store', run.store)}\n"
+        f"  LoRA:       {_command('export', run_id, '--store', run.store)} --out <folder>\n"
         f"  MLflow UI:  {mlflow_ui}\n"
         f"  Prefect UI: {prefect_ui}"
     )
@@ -317,6 +324,10 @@ def plan(
         _fail(str(exc))
     except NotImplementedError as exc:
         _fail(str(exc))
+    try:  # not the plan's business, but a run of this config would stop at it: said before the plan
+        cfg.prompt_sets()
+    except ConfigError as exc:
+        typer.echo(f"solrl: warning: {exc}; `solrl run` refuses this config until it is fixed", err=True)
     sizes = gpu or list(GPU_SIZES.values())
     for gib in sizes:
         p = make_plan(cfg, footprint, int(gib * GIB))
@@ -478,7 +489,7 @@ def resume(
             pruned = f" {freed / 2**20:.1f} MiB of pool data pruned (storage.pool, keep_pools)." if freed else ""
             typer.echo(
                 f"run {run_id} is complete ({run_.config.campaign.iterations} iterations committed); "
-                f"nothing to do.{pruned} See `solrl report {run_id} --store {store}`."
+                f"nothing to do.{pruned} See `{_command('report', run_id, '--store', store)}`."
             )
             return
         _start_prefect_early()
@@ -496,7 +507,11 @@ def list_(store: StoreOption = "runs") -> None:
     from solrl.storage.runs import list_runs, open_store
 
     try:
-        where = open_store(store).describe()
+        opened = open_store(store)
+        where = opened.describe()
+        if opened.local and not Path(opened.root).is_dir():  # a typo must not read as an empty store
+            what = "is not a folder" if Path(opened.root).exists() else "does not exist (a store's first run makes it)"
+            _fail(f"no run store at {opened.root}: it {what}")
         rows = list_runs(store)
     except ConfigError as exc:
         _fail(str(exc))
@@ -612,8 +627,8 @@ def report(
     if broken:
         _fail(
             "; ".join(f"iteration {i}: {stage} has an unreadable manifest" for i, stage in broken)
-            + f" (or a file of another size than committed); left out of the table above, and `solrl resume "
-            f"{run_id} --store {store}` recomputes them"
+            + " (or a file of another size than committed); left out of the table above, and "
+            f"`{_command('resume', run_id, '--store', store)}` recomputes them"
         )
 
 
@@ -684,7 +699,7 @@ def inspect(
     if (explore := found.manifests.get("explore")) is not None and explore.pruned:
         reasons = ", ".join(sorted(set(explore.pruned.values())))
         gone = sorted(folder.rsplit("/", 1)[-1] for folder in explore.pruned)
-        see = f"`solrl show {run_id} --iteration {iteration} --prompt 0 --store {store}`"
+        see = f"`{_command('show', run_id, '--iteration', iteration, '--prompt', 0, '--store', store)}`"
         console.print(
             f"candidate pool: {' and '.join(gone)} pruned ({reasons}); "
             + (f"its latents remain: {see} decodes them" if "latents" not in gone else "rankings above remain")
@@ -703,14 +718,17 @@ def inspect(
     if missing and running:
         console.print(f"not committed yet: {', '.join(missing)}; another process is running this run now")
     elif missing:
-        console.print(f"not committed: {', '.join(missing)}; `solrl resume {run_id} --store {store}` runs them")
+        console.print(
+            f"not committed: {', '.join(missing)}; `{_command('resume', run_id, '--store', store)}` runs them"
+        )
     corrupted = [s for s, state in found.states.items() if state == "corrupted"]
     if corrupted:
         _fail(
             f"run {run_id} iteration {iteration}: {', '.join(corrupted)} "
             f"{'fails' if len(corrupted) == 1 else 'fail'} verification (a manifest is unreadable "
-            f"or a file changed since it was committed); their files are not shown. `solrl verify {run_id} --store "
-            f"{store} --redo` uncommits every stage whose files changed, and `solrl resume` then recomputes them"
+            f"or a file changed since it was committed); their files are not shown. "
+            f"`{_command('verify', run_id, '--store', store, '--redo')}` uncommits every stage whose files changed, "
+            "and `solrl resume` then recomputes them"
         )
 
 
@@ -754,17 +772,18 @@ def verify(
     changed = sorted({(bad.iteration, bad.stage) for bad in found})
     if redo:
         try:
-            with run_lock(run_.run_dir):
+            with run_lock(run_.run_dir, then=("verify", "--redo")):
                 for iteration, stage in changed:
                     uncommit(run_.run_dir, iteration, stage)
         except ConfigError as exc:
             _fail(str(exc))
         typer.echo(
-            f"{len(changed)} stage(s) uncommitted; `solrl resume {run_id} --store {store}` recomputes them and "
-            f"whatever depends on them"
+            f"{len(changed)} stage(s) uncommitted; `{_command('resume', run_id, '--store', store)}` recomputes "
+            "them and whatever depends on them"
         )
     else:
-        typer.echo(f"{len(changed)} stage(s) changed; `solrl verify {run_id} --store {store} --redo` uncommits them")
+        redo_command = _command("verify", run_id, "--store", store, "--redo")
+        typer.echo(f"{len(changed)} stage(s) changed; `{redo_command}` uncommits them")
     raise typer.Exit(1)
 
 
@@ -807,8 +826,8 @@ def show(
     except StageNotCommitted:
         _fail(
             f"run {run_id} iteration {iteration}: no verified candidate pool and rewards (explore and "
-            f"score_explore must be committed; `solrl inspect {run_id} --iteration {iteration} --store {store}` shows "
-            f"their state)"
+            "score_explore must be committed; "
+            f"`{_command('inspect', run_id, '--iteration', iteration, '--store', store)}` shows their state)"
         )
     except ConfigError as exc:
         _fail(
@@ -869,7 +888,9 @@ def prune(
         if keep_every is not None:
             storage["keep_pools"]["every"] = keep_every
         cfg = run_.config.model_copy(update={"storage": type(run_.config.storage).model_validate(storage)})
-        with run_lock(run_.run_dir):
+        given = {"--pool": pool, "--keep-last": keep_last, "--keep-every": keep_every}
+        again = ("prune", *(word for option, value in given.items() if value is not None for word in (option, value)))
+        with run_lock(run_.run_dir, then=again):
             freed = prune_run(cfg, run_.run_dir)
     except ConfigError as exc:
         _fail(str(exc))
@@ -897,6 +918,7 @@ def export(
     from solrl.stages.models.lora import LORA_WEIGHTS, save_diffusers_lora
     from solrl.stages.models.policy import ADAPTERS
     from solrl.storage.artifacts import Checkpoint
+    from solrl.storage.audit import broken_manifests
     from solrl.storage.runs import open_run
     from solrl.storage.stage import StageNotCommitted, read_manifest
 
@@ -908,13 +930,31 @@ def export(
         family.check_runnable(run_.config.model)  # the base weights the LoRA applies to
     except ConfigError as exc:
         _fail(str(exc))
-    committed = [
-        i for i in range(1, run_.config.campaign.iterations + 1) if read_manifest(run_.run_dir, i, "checkpoint")
-    ]
+    iterations = range(1, run_.config.campaign.iterations + 1)
+    committed = [i for i in iterations if read_manifest(run_.run_dir, i, "checkpoint")]
+    damaged = [i for i, _ in broken_manifests(run_.run_dir, [(i, ("checkpoint",)) for i in iterations])]
+
+    def fails_verification(at: int) -> str:
+        return (
+            f"the checkpoint of iteration {at} fails verification (its manifest is unreadable, or a file changed "
+            f"since it was committed); `{_command('resume', run_id, '--store', store)}` recomputes it"
+        )
+
     if iteration is None:
         if not committed:
-            _fail(f"run {run_id} has no committed checkpoint yet")
+            _fail(
+                f"run {run_id} has no committed checkpoint"
+                + (f"; {fails_verification(damaged[-1])}" if damaged else " yet")
+            )
         iteration = committed[-1]
+        if damaged and damaged[-1] > iteration:  # the newest is not the one exported: said, not hidden
+            typer.echo(
+                f"solrl: warning: {fails_verification(damaged[-1])}; exporting iteration {iteration}, the last "
+                "checkpoint that holds",
+                err=True,
+            )
+    elif iteration in damaged:
+        _fail(f"run {run_id}: {fails_verification(iteration)}")
     elif iteration not in committed:
         _fail(
             f"run {run_id} has no committed checkpoint at iteration {iteration}; committed: "
@@ -924,11 +964,8 @@ def export(
     context = StageContext(cfg, run_.run_dir, run_id, iteration)
     try:
         checkpoint = Checkpoint.load(run_.run_dir, iteration)
-    except StageNotCommitted:
-        _fail(
-            f"run {run_id}: the checkpoint of iteration {iteration} fails verification (a file changed since it "
-            f"was committed); `solrl resume {run_id} --store {store}` recomputes it"
-        )
+    except StageNotCommitted:  # changed since it was listed above
+        _fail(f"run {run_id}: {fails_verification(iteration)}")
     policy = context.load_policy(checkpoint, encode_prompts=False)
     replaced = " (it replaced the file there)" if (out / LORA_WEIGHTS).exists() else ""
     from safetensors import SafetensorError

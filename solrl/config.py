@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
@@ -37,6 +38,13 @@ SelectStrategy = Literal["best_worst", "top_k", "random"]
 
 class ConfigError(ValueError):
     """A configuration that cannot run; the message names the value and the fix."""
+
+
+# Bounds far above any published setting (Sol-RL: pools of 96, 48 prompts an iteration, 40 steps) that keep a typo
+# (pool_size: 1e23) from a run that sits in its first stage for ever drawing seeds.
+MAX_POOL_SIZE = 4096  #: candidates (or evaluation seeds) per prompt
+MAX_STEPS = 1000  #: sampling steps: a flow model's training schedule has 1000 timesteps
+MAX_PROMPTS = 65536  #: training prompts per iteration
 
 
 class _Section(BaseModel):
@@ -137,8 +145,8 @@ class ExploreConfig(_Section):
         description="Registered explore backend, the numerics of the explore copy (DESIGN 2; docs: Explore "
         "precisions and hardware, which says where each runs).",
     )
-    steps: int = Field(6, ge=1, description="Euler ODE steps for explore sampling.")
-    pool_size: int = Field(32, ge=2, description="Candidates (seeds) per prompt.")
+    steps: int = Field(6, ge=1, le=MAX_STEPS, description="Euler ODE steps for explore sampling.")
+    pool_size: int = Field(32, ge=2, le=MAX_POOL_SIZE, description="Candidates (seeds) per prompt.")
     batch_size: int = Field(256, ge=1, description="Samples per forward pass.")
     min_dim: int = Field(0, ge=0, description="Layers with max(in, out) <= min_dim stay high precision (Sol-RL rule).")
     activation_scale: Literal["sample", "call"] = Field(
@@ -173,7 +181,7 @@ class RegenerateConfig(_Section):
     enabled: bool = Field(
         True, description="false: train on the explore samples themselves (the naive-FP4 and BF16-scaling ablations)."
     )
-    steps: int = Field(10, ge=1, description="Sampling steps (also the training timestep grid).")
+    steps: int = Field(10, ge=1, le=MAX_STEPS, description="Sampling steps (also the training timestep grid).")
     batch_size: int = Field(256, ge=1, description="Samples per forward pass.")
     noise_level: float = Field(
         0.7,
@@ -443,7 +451,10 @@ class CampaignConfig(_Section):
 
     iterations: int = Field(20, ge=1, description="RL iterations of the campaign (each: explore ... checkpoint).")
     prompts_per_iteration: int = Field(
-        8, ge=1, description="Training prompts drawn per iteration (each gets its own candidate pool and group)."
+        8,
+        ge=1,
+        le=MAX_PROMPTS,
+        description="Training prompts drawn per iteration (each gets its own candidate pool and group).",
     )
     prompts_file: str = Field(
         default_factory=lambda: _preset_default("campaign", "prompts_file"),
@@ -457,11 +468,13 @@ class CampaignConfig(_Section):
     eval_fraction: float = Field(
         0.1, gt=0, lt=1, description="With eval_prompts_file null: the fraction of prompts_file held out (by hash)."
     )
-    eval_seeds: int = Field(8, ge=1, description="Fixed seeds per evaluation prompt.")
+    eval_seeds: int = Field(8, ge=1, le=MAX_POOL_SIZE, description="Fixed seeds per evaluation prompt.")
     eval_every: int = Field(
         1, ge=1, description="Evaluate the rollout policy every N iterations (and before the first)."
     )
-    eval_steps: int | None = Field(None, ge=1, description="Sampling steps of the evaluation; null = regenerate.steps.")
+    eval_steps: int | None = Field(
+        None, ge=1, le=MAX_STEPS, description="Sampling steps of the evaluation; null = regenerate.steps."
+    )
     eval_adapter: Literal["rollout", "ema", "policy"] = Field(
         "rollout",
         description="The policy the evaluation samples: the rollout policy (what explore and regenerate sample), "
@@ -824,8 +837,14 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
         raise ConfigError(f"--set {item!r}: empty key")
     try:
         value = yaml.safe_load(raw)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"--set {item!r}: value is not valid YAML ({exc})") from exc
+    except yaml.YAMLError as exc:  # PyYAML's message spans lines; its problem and column fit in one
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at character {mark.column + 1}" if mark is not None and mark.line == 0 else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(
+            f"--set {item!r}: value {raw!r} is not valid YAML ({problem}{where}); a string YAML cannot read goes "
+            f"in double quotes: --set {shlex.quote(f'{key.strip()}={json.dumps(raw)}')}"
+        ) from exc
     return path, value
 
 
@@ -946,8 +965,11 @@ def _read_preset(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
         where = f" at line {line + 1}" if line is not None else ""
         problem = f": {exc.problem}" if str(getattr(exc, "problem", "")).startswith("duplicate key") else ""
         raise ConfigError(f"config {str(path)!r} is not valid YAML{where}{problem}") from exc
-    if data is None:
-        data = {}
+    if data is None:  # empty, or only comments: a file cut short or the wrong one, not a wish for the defaults
+        raise ConfigError(
+            f"config {str(path)!r} is empty; a config sets sections (explore:, train:, ...), usually below "
+            f"`{EXTENDS}: <preset>`, and with no config solrl runs the default preset {DEFAULT_PRESET!r}"
+        )
     if not isinstance(data, dict):
         raise ConfigError(f"config {str(path)!r} must be a mapping of sections, got {type(data).__name__}")
     base = data.pop(EXTENDS, None)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from solrl.config import CampaignConfig, RunConfig
 from solrl.storage.artifacts import EvalSamples
+from solrl.storage.runs import solrl_command
 from solrl.storage.stage import read_manifest
 
 #: Exit code of ``solrl run`` / ``resume`` when ``campaign.on_guard=stop`` ended the campaign.
@@ -142,7 +143,7 @@ class GuardTrip:
         else:
             export = (
                 f"the last checkpoint before it is iteration {self.last_good}: "
-                f"`solrl export {run_id} --iteration {self.last_good} --store {store}`"
+                f"`{solrl_command('export', run_id, '--iteration', self.last_good, '--store', store)}`"
             )
         return (
             f"guard stop (campaign.on_guard=stop): {self.measure} alarmed at {len(self.alarms)} evaluation(s) in a row "

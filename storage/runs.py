@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+import shlex
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,6 +21,14 @@ from solrl.storage.store import Store, StoreError
 
 RUN_FILE = "run.json"
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_RUN_ID_CHARACTERS = "ASCII letters, digits, '.', '_' or '-', beginning with a letter or digit"
+
+
+def solrl_command(*words: object) -> str:
+    """A ``solrl`` command line that an error or summary suggests, each word quoted for a POSIX shell where it
+    needs it, so that it runs as pasted: ``solrl_command("resume", "r1", "--store", "/data/my runs")`` is
+    ``solrl resume r1 --store '/data/my runs'``."""
+    return shlex.join(["solrl", *map(str, words)])
 
 
 @dataclass(frozen=True)
@@ -81,14 +90,25 @@ def _write_run_file(store: Store, run_dir: Path, data: dict, *, create: bool, ta
 
 
 def new_run_id(name: str) -> str:
-    """``<preset>-<UTC yyyymmdd-hhmmss>-<4 hex>``."""
-    return f"{name}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
+    """``<name>-<UTC yyyymmdd-hhmmss>-<4 hex>``, for a run made without a run id (``name``: the config's).
+
+    Raises:
+        ConfigError: ``name`` cannot begin a run id (``check_run_id``); the message blames the config's name.
+    """
+    run_id = f"{name}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
+    if not _RUN_ID.match(run_id):
+        longest = 128 - len(run_id) + len(name)
+        raise ConfigError(
+            f"config name {name!r} begins the ids of runs made without --run-id, so it must be 1-{longest} "
+            f"{_RUN_ID_CHARACTERS}; set name, or give --run-id"
+        )
+    return run_id
 
 
 def check_run_id(run_id: str) -> str:
     """Raises ConfigError unless ``run_id`` is a safe folder name."""
     if not _RUN_ID.match(run_id):
-        raise ConfigError(f"run id {run_id!r} must be 1-128 characters of letters, digits, '.', '_' or '-'")
+        raise ConfigError(f"run id {run_id!r} must be 1-128 {_RUN_ID_CHARACTERS}")
     return run_id
 
 
@@ -106,7 +126,8 @@ def create_run(cfg: RunConfig, run_id: str | None = None, weights: dict[str, str
     store.check(write=True)  # an object store that cannot be used fails here, in one line, with nothing written
     if store.exists(f"{run_id}/{RUN_FILE}"):
         raise ConfigError(
-            f"run {run_id!r} already exists in {where}; continue it with `solrl resume {run_id} --store {where}`"
+            f"run {run_id!r} already exists in {where}; continue it with "
+            f"`{solrl_command('resume', run_id, '--store', where)}`"
         )
     prompts = cfg.prompts_digest()
     try:
@@ -155,7 +176,9 @@ def open_run(root: str | Path, run_id: str) -> Run:
     except FileNotFoundError:
         store.check(write=False)  # no such run, or a store that cannot be reached at all
         known = ", ".join(r["run_id"] for r in list_runs(root)[-5:]) or "none"
-        raise ConfigError(f"no run {run_id!r} in {store.address} (recent: {known}); see `solrl ls`") from None
+        raise ConfigError(
+            f"no run {run_id!r} in {store.address} (recent: {known}); see `{solrl_command('ls', '--store', root)}`"
+        ) from None
     except (OSError, ValueError) as exc:
         if not (store.local or isinstance(exc, ValueError)):
             raise StoreError(store.explain(exc)) from None
@@ -248,7 +271,7 @@ def list_runs(root: str | Path) -> list[dict[str, object]]:
         model = config.get("model", {})
         rows.append(
             {
-                "run_id": data.get("run_id", run_id),
+                "run_id": run_id,  # the folder's name, which every command takes (a copied run's is not run.json's)
                 "created": data.get("created", ""),
                 "iterations_done": len(done),
                 "iterations": config.get("campaign", {}).get("iterations", "?"),
@@ -275,10 +298,11 @@ def run_holder(run_dir: Path) -> str | None:
 
 
 @contextmanager
-def run_lock(run_dir: Path, ttl: float = DEFAULT_TTL) -> Iterator[None]:
+def run_lock(run_dir: Path, ttl: float = DEFAULT_TTL, *, then: tuple[object, ...] = ("resume",)) -> Iterator[None]:
     """Hold the run's lease (``<run_dir>/_LEASE.json``, ``solrl.storage.lease``) for the ``with`` block: renewed
     in the background, checked before every stage commit of this process, free at once when its holder dies on
-    this host and after ``ttl`` seconds when it dies elsewhere.
+    this host and after ``ttl`` seconds when it dies elsewhere. ``then``: the command a refusal suggests once the
+    holder is gone (``solrl <then[0]> <run id> --store <store> <then[1:]>``), the one that was refused.
 
     Raises:
         ConfigError: another live process holds the run; the lease cannot be written (a read-only or full store).
@@ -292,8 +316,8 @@ def run_lock(run_dir: Path, ttl: float = DEFAULT_TTL) -> Iterator[None]:
     except LeaseHeld as exc:
         raise ConfigError(
             f"run {run_dir.name!r} is being written by another process ({exc}); wait for it or stop it (a lease "
-            f"whose holder died elsewhere runs out by itself), then `solrl resume {run_dir.name} --store "
-            f"{store.address}`"
+            f"whose holder died elsewhere runs out by itself), then "
+            f"`{solrl_command(then[0], run_dir.name, '--store', store.address, *then[1:])}`"
         ) from None
     except (OSError, StoreError) as exc:  # a read-only or full store: nothing of the run can be written either
         raise ConfigError(

@@ -27,6 +27,13 @@ runner = CliRunner()
         (["run", "--set", "explore.precision=nvfp4"], "explore.precision=nvfp4 cannot run here"),
         (["run", "--set", "campaign.prompts_file=/nope.txt"], "cannot read prompt file '/nope.txt'"),
         (["run", "--run-id", "../escape"], "run id '../escape' must be"),
+        (["run", "--run-id", "_x"], "run id '_x' must be 1-128 ASCII letters, digits, '.', '_' or '-', beginning with"),
+        # a config's name begins the ids of runs made without --run-id: the name is blamed, not a run id never given
+        (["run", "--set", "name=../../etc"], "config name '../../etc' begins the ids of runs made without --run-id"),
+        # a typo's pool (or steps) used to sit in explore for ever, drawing seeds one by one
+        (["run", "--set", "explore.pool_size=100000000000000000000000"], "explore.pool_size: Input should be less"),
+        (["run", "--set", "regenerate.steps=5000"], "regenerate.steps: Input should be less than or equal to 1000"),
+        (["run", "--set", "explore.precision=[1, 2"], "value '[1, 2' is not valid YAML (expected ',' or ']', but"),
         (["run", "--set", "train.loss_options={grpo_guard: true}"], "train.loss_options.grpo_guard: unknown key"),
         (["run", "--set", "campaign.on_guard=halt"], "campaign.on_guard: Input should be 'warn' or 'stop'"),
         (["plan", "--gpu", "nan"], "--gpu nan: a device's memory is a number of GiB above 0 and at most 4096"),
@@ -56,6 +63,17 @@ def test_malformed_config_file_exits_2(tmp_path: Path):
     path.write_text("explore: [\n")
     result = runner.invoke(app, ["run", str(path)])
     assert result.exit_code == 2 and "not valid YAML" in result.stderr
+    path.write_text("# explore:\n#   pool_size: 96\n")  # empty, or cut short: was taken as the default preset
+    result = runner.invoke(app, ["run", str(path)])
+    assert result.exit_code == 2 and f"config '{path}' is empty; a config sets sections" in result.stderr
+
+
+def test_plan_warns_of_a_prompt_file_that_a_run_would_refuse(tmp_path: Path):
+    result = runner.invoke(app, ["plan", "--set", f"campaign.prompts_file={tmp_path / 'nope.txt'}", "--gpu", "80"])
+    assert result.exit_code == 0, result.output
+    assert "on a 80 GiB device" in result.stdout
+    assert result.stderr.startswith("solrl: warning: campaign.prompts_file: cannot read prompt file")
+    assert result.stderr.rstrip().endswith("`solrl run` refuses this config until it is fixed")
 
 
 def test_resume_of_an_unknown_run_exits_2(tmp_path: Path):
@@ -88,9 +106,16 @@ def test_inspect_writes_nothing_and_a_lease_that_cannot_be_written_is_one_line(t
         assert len([ln for ln in done.stderr.splitlines() if ln.strip()]) == 1, done.stderr
 
 
-def test_ls_on_an_empty_store(tmp_path: Path):
+def test_ls_on_an_empty_store_and_on_a_store_that_is_not_there(tmp_path: Path):
     result = runner.invoke(app, ["ls", "--store", str(tmp_path)])
     assert result.exit_code == 0 and "no runs" in result.stdout
+    # a typo in --store, or a file, said "no runs" with exit 0: as if the runs were gone
+    (tmp_path / "a-file").write_text("x")
+    for where, why in (("typo", "does not exist (a store's first run makes it)"), ("a-file", "is not a folder")):
+        result = runner.invoke(app, ["ls", "--store", str(tmp_path / where)])
+        assert (
+            result.exit_code == 2 and result.stderr == f"solrl: error: no run store at {tmp_path / where}: it {why}\n"
+        )
 
 
 def test_ls_lists_a_run_whose_run_json_is_damaged_and_skips_folders_that_are_no_run(tmp_path: Path):
@@ -168,6 +193,38 @@ def _committed_run(tmp_path: Path, run_id: str = "r"):
     return run
 
 
+def test_ls_names_a_run_by_its_folder_the_id_every_command_takes(tmp_path: Path):
+    """ls showed run.json's id: a copied run folder was listed under the original's id, and a command given that
+    id opened the original, not the copy."""
+    import shutil
+
+    run = _committed_run(tmp_path)
+    shutil.copytree(run.run_dir, run.run_dir.parent / "copy")
+    listed = runner.invoke(app, ["ls", "--store", str(run.run_dir.parent)], env={"COLUMNS": "200"})
+    assert listed.exit_code == 0, listed.output
+    assert sorted(line.split()[0] for line in listed.stdout.splitlines() if "tiny-digits" in line) == ["copy", "r"]
+
+
+def test_the_commands_that_messages_suggest_run_as_pasted_from_a_store_with_a_space(tmp_path: Path):
+    """Suggested commands were not quoted for the shell: a store path with a space broke when pasted."""
+    import shlex
+
+    from conftest import tiny_config
+
+    from solrl.storage.runs import create_run
+
+    store = tmp_path / "my runs"
+    create_run(tiny_config(store), "r")
+    again = runner.invoke(app, ["run", "--run-id", "r", "--set", f"storage.root={store}"])
+    ghost = runner.invoke(app, ["resume", "ghost", "--store", str(store)])
+    assert again.exit_code == 2 and ghost.exit_code == 2
+    (resume,) = re.findall(r"`(solrl resume [^`]*)`", again.stderr)
+    (ls,) = re.findall(r"`(solrl ls [^`]*)`", ghost.stderr)
+    assert shlex.split(resume) == ["solrl", "resume", "r", "--store", str(store)]
+    assert shlex.split(ls) == ["solrl", "ls", "--store", str(store)]
+    assert runner.invoke(app, shlex.split(ls)[1:]).exit_code == 0
+
+
 def test_a_run_whose_plugin_is_not_installed_here_lists_and_reports_but_does_not_continue(tmp_path: Path):
     import json
 
@@ -190,10 +247,17 @@ def test_resume_of_a_run_another_process_holds_is_refused_before_anything_starts
     from solrl.storage.runs import run_lock
 
     run = _committed_run(tmp_path)
+    store = str(run.run_dir.parent)
     with run_lock(run.run_dir):
-        result = runner.invoke(app, ["resume", "r", "--store", str(run.run_dir.parent)])
+        result = runner.invoke(app, ["resume", "r", "--store", store])
+        pruned = runner.invoke(app, ["prune", "r", "--store", store, "--keep-last", "1"])
     assert result.exit_code == 2 and "is being written by another process" in result.stderr
     assert "resuming" not in result.stdout
+    assert result.stderr.rstrip().endswith(f"then `solrl resume r --store {store}`")
+    # a refused prune suggested a resume: it suggests the prune it refused
+    assert pruned.exit_code == 2 and pruned.stderr.rstrip().endswith(
+        f"then `solrl prune r --store {store} --keep-last 1`"
+    )
 
 
 def test_a_committed_file_changed_in_place_is_found_by_verify_and_pending_again_after_redo(tmp_path: Path):

@@ -137,6 +137,18 @@ def test_checkpoint_stage_and_solrl_export_write_a_loadable_lora(tmp_path: Path,
     assert taken.exit_code == 2, taken.output
     why = "I/O error: Is a directory (os error 21)"
     assert taken.stderr.strip() == f"solrl: error: --out {tmp_path / 'taken'}: cannot write the LoRA there ({why})"
+    # a newer checkpoint that fails verification: exporting the one before was silent, and asking for it by
+    # number said it did not exist
+    damaged = stage_dir(run.run_dir, 2, "checkpoint") / "_MANIFEST.json"
+    damaged.parent.mkdir(parents=True)
+    damaged.write_text('{"stage": "checkp')
+    store = str(run.run_dir.parent)
+    last = runner.invoke(app, ["export", "export", "--out", str(tmp_path / "last"), "--store", store])
+    assert last.exit_code == 0 and "policy LoRA of run export iteration 1 written" in last.stdout, last.output
+    fails = "the checkpoint of iteration 2 fails verification (its manifest is unreadable, or a file changed since"
+    assert last.stderr.startswith(f"solrl: warning: {fails}") and "; exporting iteration 1, the last" in last.stderr
+    asked = runner.invoke(app, ["export", "export", "--out", str(tmp_path / "x"), "--store", store, "--iteration", "2"])
+    assert asked.exit_code == 2 and asked.stderr.startswith(f"solrl: error: run export: {fails}"), asked.output
 
 
 def test_the_exported_metadata_is_canonical_so_a_redone_checkpoint_keeps_its_bytes(tmp_path: Path):
