@@ -542,7 +542,9 @@ def list_(store: StoreOption = "runs") -> None:
 def report(
     run_id: Annotated[str, typer.Argument(help="The run to summarise.")],
     store: StoreOption = "runs",
-    plot: Annotated[Path | None, typer.Option(help="Also save the evaluation curves as a PNG here.")] = None,
+    plot: Annotated[
+        Path | None, typer.Option(help="Also save the evaluation curves as a PNG here (a .png file, or a folder).")
+    ] = None,
     html: Annotated[
         Path | None, typer.Option("--html", help="Also write one self-contained HTML report page here.")
     ] = None,
@@ -559,6 +561,13 @@ def report(
         run_ = open_run(store, run_id)
     except ConfigError as exc:
         _fail(str(exc))
+    if plot is not None:  # checked before the table: matplotlib picks a format by the suffix, or adds ".png"
+        if plot.is_dir():
+            plot = plot / f"{run_id}-curves.png"
+        elif plot.suffix.lower() != ".png":
+            _fail(f"--plot {plot}: give a .png file (or a folder, for {run_id}-curves.png)")
+        if html is not None and plot.resolve() == html.resolve():
+            _fail(f"--plot and --html are one file ({plot}): the page would replace the curves")
     frame = collect_metrics(run_.run_dir, tuple(s.name for s in ITERATION))
     if frame.empty:
         _fail(f"run {run_id} has no committed stage yet")
@@ -587,7 +596,7 @@ def report(
         table.add_row(
             str(int(row["iteration"])),
             *["" if math.isnan(row[c]) else f"{row[c]:.4f}" for c in columns],  # NaN: not logged
-            f"{row['seconds/iteration']:.1f}",
+            f"{row['seconds/iteration']:.1f}" if row["iteration"] > 0 else "",  # iteration 0 only evaluates
         )
     Console(width=200).print(table)
     if plot is not None:
@@ -801,7 +810,7 @@ def show(
     import numpy as np
 
     from solrl.stages.metrics.grid import save_pool_grid
-    from solrl.storage.audit import pool_view
+    from solrl.storage.audit import PoolPruned, pool_view
     from solrl.storage.stage import StageNotCommitted
 
     run_, iteration, _ = _open_iteration(store, run_id, iteration)
@@ -823,12 +832,13 @@ def show(
 
     try:
         view = pool_view(run_.run_dir, iteration, prompt, decode)
-    except StageNotCommitted:
+    except StageNotCommitted as exc:  # its message names the stage: explore or score_explore
         _fail(
-            f"run {run_id} iteration {iteration}: no verified candidate pool and rewards (explore and "
-            "score_explore must be committed; "
-            f"`{_command('inspect', run_id, '--iteration', iteration, '--store', store)}` shows their state)"
+            f"run {run_id}: no verified candidate pool and rewards ({exc}); "
+            f"`{_command('inspect', run_id, '--iteration', iteration, '--store', store)}` shows the stages' state"
         )
+    except PoolPruned as exc:
+        _fail(f"run {run_id}: {exc}: `{_command('inspect', run_id, '--iteration', iteration, '--store', store)}`")
     except ConfigError as exc:
         _fail(
             f"run {run_id} iteration {iteration}: the pool is kept as latents and this machine cannot decode them: "
@@ -855,6 +865,17 @@ def show(
         _fail(f"--out {out}: cannot write the PNG there ({exc.strerror or exc})")
     how = f", decoded from its latents by the {decoded[0]} model" if decoded else ""
     typer.echo(f"pool of {view.prompt!r} ({len(view.rewards)} candidates, {kept} kept{how}) written to {out}")
+    if view.selection != "committed":
+        redo = (
+            f"; `{_command('verify', run_id, '--store', store, '--redo')}` uncommits it and `solrl resume` redoes it"
+            if view.selection == "fails verification"
+            else ""
+        )
+        typer.echo(
+            f"solrl: warning: iteration {iteration}'s select stage "
+            f"{'is ' * (view.selection == 'not committed')}{view.selection}, so no seed is marked kept{redo}",
+            err=True,
+        )
 
 
 @app.command()
@@ -995,10 +1016,13 @@ def reward_server(
         str, typer.Option(help="The reward's options as YAML/JSON, e.g. '{path: /models/clip}'.")
     ] = "{}",
     host: Annotated[str, typer.Option(help="Address to listen on (loopback by default).")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8765,
+    port: Annotated[int, typer.Option(min=0, max=65535, help="Port to listen on (0: a free one, printed).")] = 8765,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda[:N].")] = "auto",
 ) -> None:
     """Serve a reward over HTTP, for runs whose reward.models.NAME.url points here."""
+    import socket
+
+    import torch
     import yaml
 
     _quiet_environment()
@@ -1010,12 +1034,26 @@ def reward_server(
     from solrl.stages.rewards.remote import TOKEN_ENV, create_app, reward_token
 
     try:
+        torch.device("cpu" if device == "auto" else device)
+    except RuntimeError:
+        _fail(f"--device {device!r}: give auto, cpu, cuda or cuda:N")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        _fail(f"--device {device}: torch sees no CUDA device on this machine; give --device cpu or auto")
+    try:  # the address first, before a reward model loads for minutes: a port in use fails at once
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(address)
+    except OSError as exc:  # socket.gaierror (a name that does not resolve) included
+        _fail(f"--host {host} --port {port}: cannot listen there ({exc.strerror or exc})")
+    port = listener.getsockname()[1]  # the one the system chose for --port 0
+    try:
         parsed = yaml.safe_load(options) or {}
         if not isinstance(parsed, dict) or parsed.get("url"):
             raise ValueError("--options must be a mapping of the reward's own options (no url)")
         validated = REWARDS.get(name).Options.model_validate(parsed)
         REWARDS.get(name).check_runnable(validated)
-        reward = build_reward(name, resolve_device(device) if device in ("auto", "cpu", "cuda") else device, parsed)
+        reward = build_reward(name, resolve_device(device) if device == "auto" else torch.device(device), parsed)
     except ValidationError as exc:
         _fail("; ".join(f"--options {'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()))
     except (ValueError, ConfigError, yaml.YAMLError) as exc:
@@ -1031,7 +1069,9 @@ def reward_server(
             f"the port may score",
             err=True,
         )
-    uvicorn.run(create_app(reward, token), host=host, port=port, log_level="warning")
+    uvicorn.Server(uvicorn.Config(create_app(reward, token), host=host, port=port, log_level="warning")).run(
+        sockets=[listener]
+    )
 
 
 @app.command("pretrain-tiny-digits")

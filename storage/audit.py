@@ -28,7 +28,7 @@ from solrl.storage.artifacts import (
     Selection,
     TableArtifact,
 )
-from solrl.storage.stage import MANIFEST, StageManifest, iteration_dir, read_manifest, stage_dir
+from solrl.storage.stage import MANIFEST, StageManifest, StageNotCommitted, iteration_dir, read_manifest, stage_dir
 
 StageState = Literal["committed", "corrupted", "incomplete", "missing"]
 T = TypeVar("T", bound=TableArtifact)
@@ -163,6 +163,9 @@ class PoolView:
     seeds: np.ndarray  # int64 [N]
     candidates: np.ndarray  # int64 [N], the candidate index in the pool
     kept_as: list[str | None]  # "best" / "worst" for the kept seeds, else None
+    #: Where ``kept_as`` comes from: the committed select stage, or none is marked because select is
+    #: "not committed" (not run yet) or "fails verification" (a manifest or file that does not hold).
+    selection: Literal["committed", "not committed", "fails verification"] = "committed"
 
 
 class PoolPruned(LookupError):
@@ -181,6 +184,9 @@ def pool_view(
         StageNotCommitted: explore or score_explore of ``iteration`` is not committed (or fails verification).
         PoolPruned: the pool's images are gone (and its latents, or no ``decode`` was given).
         LookupError: ``prompt`` names no prompt of the iteration, or several.
+
+    A select stage that is not committed, or fails verification, is no error: ``selection`` says so and no seed
+    is marked kept.
     """
     pool = CandidatePool.load(run_dir, iteration)
     if pool.images is None and (pool.latents is None or decode is None):
@@ -188,8 +194,7 @@ def pool_view(
         raise PoolPruned(
             f"iteration {iteration}'s candidate pool was pruned by {why}: no images"
             + ("" if pool.latents is None else " (its latents remain: decode them with the run's model)")
-            + "; its rewards, ranks and kept seeds remain (`solrl inspect --iteration "
-            + f"{iteration}`), and regenerating a seed with its checkpoint redraws it"
+            + "; regenerating a seed with its checkpoint redraws it, and its rewards, ranks and kept seeds remain"
         )
     totals = candidate_totals(ExploreRewards.load(run_dir, iteration))
     prompts = pool.prompts
@@ -207,10 +212,16 @@ def pool_view(
     rows = totals[totals["group"] == group].sort_values("reward", ascending=False, kind="stable")
     index = rows["candidate_index"].to_numpy(np.int64)
     kept: dict[int, str] = {}
-    if read_manifest(run_dir, iteration, "select") is not None:
-        chosen = Selection.load(run_dir, iteration).frame
-        chosen = chosen[chosen["group"] == group]
-        kept = dict(zip(chosen["candidate_index"].astype(int), chosen["kept_as"].astype(str)))
+    selection = "committed"
+    try:
+        chosen = Selection.load(run_dir, iteration)
+    except StageNotCommitted:  # the pool is still drawn, its kept seeds unmarked: the caller says why
+        written = (stage_dir(run_dir, iteration, "select") / MANIFEST).exists()
+        selection = "fails verification" if written else "not committed"
+    else:
+        assert chosen is not None  # a pool exists from iteration 1 on, as do selections
+        rows_kept = chosen.frame[chosen.frame["group"] == group]
+        kept = dict(zip(rows_kept["candidate_index"].astype(int), rows_kept["kept_as"].astype(str)))
     if pool.images is not None:
         images = pool.images[group][index]
     else:
@@ -224,6 +235,7 @@ def pool_view(
         seeds=pool.seeds[group][index],
         candidates=index,
         kept_as=[kept.get(int(i)) for i in index],
+        selection=selection,
     )
 
 

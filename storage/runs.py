@@ -241,15 +241,17 @@ def list_runs(root: str | Path) -> list[dict[str, object]]:
             data = json.loads(store.read_bytes(f"{run_id}/{RUN_FILE}"))
         except (OSError, ValueError):
             data = None
-        if not (isinstance(data, dict) and isinstance(data.get("config", {}), dict)):
-            # Listed, not hidden: inspect and resume name the damaged file; ls must not make the run look gone.
+        readable = isinstance(data, dict) and isinstance(data.get("config"), dict)
+        if not (readable and config_digest(data["config"]) == data.get("config_hash")):
+            # Listed, not hidden: inspect and resume name the damaged file; ls must not make the run look gone,
+            # nor show what a hand-edited config says (every other command refuses it).
             rows.append(
                 {
                     "run_id": run_id,
                     "created": "",
                     "iterations_done": "?",
                     "iterations": "?",
-                    "model": f"{RUN_FILE} unreadable",
+                    "model": f"{RUN_FILE} " + ("edited (config hash)" if readable else "unreadable"),
                     "last_stage": "",
                     "explore": "",
                     "path": where,

@@ -143,6 +143,48 @@ def test_a_corrupted_parquet_file_or_manifest_is_reported_not_read(finished: Pat
     assert reported.exit_code == 2 and "iteration 1: select has an unreadable manifest" in reported.stderr
 
 
+def test_show_draws_a_pool_whose_select_stage_fails_verification_and_says_no_seed_is_marked(
+    finished: Path, tmp_path: Path
+):
+    """A damaged select stage: show drew "0 kept" and exit 0 without a word when its manifest did not hold, and
+    blamed explore and score_explore, both intact, when its table's bytes changed."""
+    store = copy_run(finished, tmp_path)
+    args = ["show", "done", "--store", str(store), "--iteration", "1", "--prompt", "0", "--out", str(tmp_path)]
+    redo = f"`solrl verify done --store {store} --redo` uncommits it and `solrl resume` redoes it"
+    flip_middle_byte(stage_dir(store / "done", 1, "select") / "selection.parquet")
+    shown = runner.invoke(app, args)
+    assert shown.exit_code == 0 and "8 candidates, 0 kept" in shown.stdout, shown.output
+    assert shown.stderr == (
+        f"solrl: warning: iteration 1's select stage fails verification, so no seed is marked kept; {redo}\n"
+    )
+    shutil.rmtree(stage_dir(store / "done", 1, "select"))
+    shown = runner.invoke(app, args)
+    assert shown.exit_code == 0 and "0 kept" in shown.stdout
+    assert shown.stderr == "solrl: warning: iteration 1's select stage is not committed, so no seed is marked kept\n"
+
+
+def test_report_plot_paths_are_checked_before_the_table(finished: Path, tmp_path: Path):
+    """``--plot`` wrote ``noext.png`` and said ``noext``, raised matplotlib's traceback for ``.txt`` after the
+    table, and ``--html`` of the same path replaced the curves without a word."""
+    args = ["report", "done", "--store", str(finished)]
+    into = runner.invoke(app, [*args, "--plot", str(tmp_path)])
+    assert into.exit_code == 0 and f"curves saved to {tmp_path / 'done-curves.png'}" in into.stdout, into.output
+    assert (tmp_path / "done-curves.png").read_bytes().startswith(b"\x89PNG")
+    rows = [[cell.strip() for cell in line.split("│")[1:-1]] for line in into.stdout.splitlines()]
+    rows = [row for row in rows if row and row[0].isdigit()]
+    assert [row[0] for row in rows] == ["0", "1", "2"] and rows[0][-1] == ""  # iteration 0 only evaluates: no s/iter
+    assert float(rows[1][-1]) > 0
+    for plot, extra, says in (
+        ("noext", [], "--plot {}: give a .png file (or a folder, for done-curves.png)"),
+        ("p.txt", [], "--plot {}: give a .png file (or a folder, for done-curves.png)"),
+        ("same.png", ["--html", str(tmp_path / "same.png")], "--plot and --html are one file ({})"),
+    ):
+        bad = runner.invoke(app, [*args, "--plot", str(tmp_path / plot), *extra])
+        assert bad.exit_code == 2 and bad.stdout == "", bad.output
+        assert bad.stderr.startswith("solrl: error: " + says.format(tmp_path / plot)), bad.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["done-curves.png"]
+
+
 def test_the_docs_audit_snippet_runs_on_a_finished_run(finished: Path, monkeypatch: pytest.MonkeyPatch):
     """The audit guide's pandas / DuckDB / xarray example (docs/guides/audit.md), as written, on a real run store."""
     import re

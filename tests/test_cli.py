@@ -193,6 +193,43 @@ def _committed_run(tmp_path: Path, run_id: str = "r"):
     return run
 
 
+def test_ls_marks_a_run_whose_config_was_edited_by_hand(tmp_path: Path):
+    """ls showed what an edited run.json said (2/1 iterations) while every other command refused it."""
+    import json
+
+    run = _committed_run(tmp_path)
+    data = json.loads((run.run_dir / "run.json").read_text())
+    data["config"]["campaign"]["iterations"] = 1
+    (run.run_dir / "run.json").write_text(json.dumps(data))
+    listed = runner.invoke(app, ["ls", "--store", str(run.run_dir.parent)], env={"COLUMNS": "200"})
+    assert listed.exit_code == 0 and "run.json edited (config hash)" in listed.stdout, listed.output
+    assert "2/1" not in listed.stdout and "1/1" not in listed.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (["--port", "99999"], "Invalid value for '--port'"),
+        (["--device", "tpu"], "solrl: error: --device 'tpu': give auto, cpu, cuda or cuda:N"),
+        (["--host", "999.1.1.1"], "solrl: error: --host 999.1.1.1 --port 8765: cannot listen there"),
+        (["--host", "127.0.0.1", "--port", "{taken}"], "--port {taken}: cannot listen there (Address already in use)"),
+    ],
+)
+def test_reward_server_refuses_an_address_or_device_before_it_loads_a_model_or_says_it_serves(args, match):
+    """A bad port or device was a traceback; a port in use or a host that does not resolve printed "serving
+    reward ... on http://..." and then uvicorn's own error, exit 3."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        args = [a.format(taken=port) for a in args]
+        result = runner.invoke(app, ["reward-server", "jpeg_compressibility", *args])
+    assert result.exit_code == 2, result.output
+    assert match.format(taken=port) in result.stderr and "serving reward" not in result.stderr
+
+
 def test_ls_names_a_run_by_its_folder_the_id_every_command_takes(tmp_path: Path):
     """ls showed run.json's id: a copied run folder was listed under the original's id, and a command given that
     id opened the original, not the copy."""

@@ -286,6 +286,7 @@ def test_retention_keeps_the_expected_pools_of_a_12_iteration_campaign(tmp_path)
     shown = runner.invoke(app, ["show", "kept", "--store", str(store), "--iteration", "3", "--prompt", "0"])
     assert shown.exit_code == 2 and len(shown.stderr.strip().splitlines()) == 1
     assert "pruned by storage.keep_pools" in shown.stderr
+    assert shown.stderr.rstrip().endswith(f"kept seeds remain: `solrl inspect kept --iteration 3 --store {store}`")
     out = tmp_path / "pool.png"
     shown = runner.invoke(
         app, ["show", "kept", "--store", str(store), "--iteration", "11", "--prompt", "0", "--out", str(out)]

@@ -4,6 +4,8 @@ errors (never scores), and a campaign whose reward server dies mid-run fails cle
 from __future__ import annotations
 
 import os
+import re
+import select
 import signal
 import socket
 import subprocess
@@ -28,9 +30,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(name: str, port: int, token: str | None = None, options: str = "{}") -> subprocess.Popen:
+def start_server(
+    name: str, port: int = 0, token: str | None = None, options: str = "{}"
+) -> tuple[subprocess.Popen, str]:
     """``solrl reward-server NAME --options OPTIONS`` on loopback (requiring bearer ``token`` when given, from its
-    environment); returns once ``/health`` answers (at most 60 s)."""
+    environment); returns the process and its URL once ``/health`` answers (at most 60 s). ``port`` 0: the
+    system's choice, read from the server's announcement."""
     env = {k: v for k, v in os.environ.items() if k != "SOLRL_REWARD_TOKEN"} | (
         {"SOLRL_REWARD_TOKEN": token} if token else {}
     )
@@ -40,14 +45,30 @@ def start_server(name: str, port: int, token: str | None = None, options: str = 
         stderr=subprocess.PIPE,
         start_new_session=True,
         env=env,
+        bufsize=0,  # unbuffered, so that select sees every line not read yet
     )
+    assert proc.stderr is not None
+    said, deadline = "", time.time() + 60
+    while "serving reward" not in said:  # the announcement comes once the reward is built
+        if not select.select([proc.stderr], [], [], max(deadline - time.time(), 0))[0]:
+            break
+        line = proc.stderr.readline().decode()
+        if not line:  # the server exited
+            break
+        said += line
+    found = re.search(r" on (http://127\.0\.0\.1:(\d+)) ", said)
+    if found is None or proc.poll() is not None:
+        stop(proc)
+        raise AssertionError(f"the reward server did not announce its address: {said[-2000:]}")
+    url = found[1]
+    assert port == 0 or int(found[2]) == port, said
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     deadline = time.time() + 60
     while time.time() < deadline:
-        assert proc.poll() is None, proc.stderr.read().decode()[-2000:] if proc.stderr else "server exited"
+        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", headers=headers, timeout=1).json()["reward"] == name:
-                return proc
+            if httpx.get(f"{url}/health", headers=headers, timeout=1).json()["reward"] == name:
+                return proc, url
         except httpx.HTTPError:
             time.sleep(0.2)
     stop(proc)
@@ -62,9 +83,10 @@ def stop(proc: subprocess.Popen) -> None:
 
 @pytest.fixture(scope="module")
 def jpeg_server() -> Iterator[str]:
-    port = free_port()
-    proc = start_server("jpeg_compressibility", port)
-    yield f"http://127.0.0.1:{port}"
+    """A reward server on the port the system chose (``--port 0``: it announced ``:0`` before)."""
+    proc, url = start_server("jpeg_compressibility")
+    assert not url.endswith(":0")
+    yield url
     stop(proc)
 
 
@@ -138,9 +160,7 @@ def test_a_server_with_a_token_refuses_requests_without_it_and_scores_for_a_clie
     """``SOLRL_REWARD_TOKEN`` in the server's environment: no token, or another one, is HTTP 401 on every
     endpoint; a client whose environment holds the token scores as a local reward does."""
     token = "solrl-reward-token-" + os.urandom(8).hex()
-    port = free_port()
-    proc = start_server("jpeg_compressibility", port, token)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = start_server("jpeg_compressibility", token=token)
     try:
         images = np.random.default_rng(1).integers(0, 256, (3, 16, 16, 3), dtype=np.uint8)
         body = {"prompts": ["a", "b", "c"], "metadata": None, "shape": list(images.shape)}
@@ -178,7 +198,7 @@ def test_a_campaign_whose_reward_server_dies_fails_cleanly_and_resumes_when_it_i
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     reward = f"reward.models={{digit_alignment: {{url: '{url}', retries: 1}}}}"
     overrides = [*TINY, "campaign.iterations=1", f"storage.root={store}", reward]  # it dies before evaluate[1]
-    server = start_server("digit_alignment", port)
+    server, _ = start_server("digit_alignment", port)
     run = subprocess.Popen(
         [*SOLRL, "run", *[a for o in overrides for a in ("--set", o)], "--run-id", "remote"],
         env=env,
@@ -206,7 +226,7 @@ def test_a_campaign_whose_reward_server_dies_fails_cleanly_and_resumes_when_it_i
     pending = first_pending(StageContext(opened.config, opened.run_dir, "remote", 0, opened.config_hash))
     assert pending is not None and pending[1] in ("evaluate", "score_explore", "audit", "score_regenerate")
 
-    server = start_server("digit_alignment", port)
+    server, _ = start_server("digit_alignment", port)
     try:
         resumed = subprocess.run(
             [*SOLRL, "resume", "remote", "--store", str(store)], env=env, capture_output=True, text=True, timeout=600

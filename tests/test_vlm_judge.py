@@ -100,13 +100,12 @@ def test_a_judge_behind_a_reward_server_scores_images_and_videos_with_its_ration
     process, for images and for a video."""
     import json
 
-    from test_remote_reward import free_port, start_server, stop
+    from test_remote_reward import start_server, stop
 
     options = {"model_path": judge_path, "rationale": True, "max_new_tokens": 4, "batch_size": 2}
-    port = free_port()
-    server = start_server("vlm_judge", port, options=json.dumps(options))
+    server, url = start_server("vlm_judge", options=json.dumps(options))
     try:
-        remote = build_reward("remote_judge", "cpu", {"type": "vlm_judge", "url": f"http://127.0.0.1:{port}"})
+        remote = build_reward("remote_judge", "cpu", {"type": "vlm_judge", "url": url})
         assert (remote.inputs, remote.columns) == ("video", ("rationale",))
         local = build_reward("local_judge", "cpu", {"type": "vlm_judge", **options})
         videos = np.random.default_rng(1).integers(0, 256, (2, 3, 32, 32, 3), dtype=np.uint8)
