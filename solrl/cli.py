@@ -402,6 +402,14 @@ def serve(
         _fail(f"--on-busy {on_busy!r}: choose wait or refuse")
     if cron is not None and interval is not None:
         _fail("give --cron or --interval, not both")
+    if cron is not None:  # Prefect's own check, before the server's: a typo is said first
+        from prefect.client.schemas.schedules import CronSchedule
+        from pydantic import ValidationError
+
+        try:
+            CronSchedule(cron=cron)
+        except ValidationError as exc:
+            _fail(f"--cron {cron!r}: {exc.errors()[0]['msg'].removeprefix('Value error, ')}")
     try:
         cfg = load_config(config, set_ or [])
     except ConfigError as exc:
@@ -921,6 +929,16 @@ def prune(
         f"run {run_id}: {freed / 2**20:.1f} MiB of pool data removed (pool={cfg.storage.pool}, "
         f"keep_pools last={cfg.storage.keep_pools.last} every={cfg.storage.keep_pools.every})"
     )
+    from solrl.storage.audit import broken_manifests
+
+    plan = [(i, ("explore", "regenerate")) for i in range(1, cfg.campaign.iterations + 1)]
+    if broken := broken_manifests(run_.run_dir, plan):  # never pruned: not taken for pruned, either
+        typer.echo(
+            "solrl: warning: left as they are, failing verification (a manifest unreadable or a file of another "
+            f"size): {', '.join(f'iteration {i} {stage}' for i, stage in broken)}; "
+            f"`{_command('verify', run_id, '--store', store, '--redo')}` uncommits them and `solrl resume` redoes them",
+            err=True,
+        )
 
 
 @app.command()

@@ -193,6 +193,23 @@ def _committed_run(tmp_path: Path, run_id: str = "r"):
     return run
 
 
+def test_prune_names_the_pools_it_left_because_they_fail_verification(tmp_path: Path):
+    """prune skipped a damaged pool and said "0.0 MiB removed", as if there had been nothing to remove."""
+    from solrl.storage.stage import MANIFEST, stage_dir
+
+    run = _committed_run(tmp_path)
+    damaged = stage_dir(run.run_dir, 1, "explore") / MANIFEST
+    damaged.parent.mkdir(parents=True)
+    damaged.write_text('{"stage": "expl')
+    store = str(run.run_dir.parent)
+    pruned = runner.invoke(app, ["prune", "r", "--store", store, "--keep-last", "0"])
+    assert pruned.exit_code == 0 and "0.0 MiB of pool data removed" in pruned.stdout, pruned.output
+    assert pruned.stderr == (
+        "solrl: warning: left as they are, failing verification (a manifest unreadable or a file of another size): "
+        f"iteration 1 explore; `solrl verify r --store {store} --redo` uncommits them and `solrl resume` redoes them\n"
+    )
+
+
 def test_ls_marks_a_run_whose_config_was_edited_by_hand(tmp_path: Path):
     """ls showed what an edited run.json said (2/1 iterations) while every other command refused it."""
     import json
@@ -381,6 +398,7 @@ def test_a_weights_fingerprint_samples_large_files_but_sees_size_and_sampled_cha
         (["serve", "--name", "bad/name"], {"PREFECT_API_URL": "http://127.0.0.1:1/api"}, "cannot contain '/'"),
         (["serve", "--interval", "-5"], {"PREFECT_API_URL": "http://127.0.0.1:1/api"}, "greater than or equal to 1"),
         (["serve"], {"PREFECT_API_URL": ""}, "needs a Prefect server"),
+        (["serve", "--cron", "not a cron"], {"PREFECT_API_URL": ""}, "--cron 'not a cron': Invalid cron string"),
     ],
 )
 def test_serve_refuses_bad_input_in_one_line(args, env, match, monkeypatch):
