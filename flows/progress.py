@@ -43,6 +43,7 @@ class CampaignProgress:
         self.ran = 0
         self.started = time.monotonic()
         self.latest: dict[str, float] = {}
+        self.latest_iteration = 0  # the iteration ``latest`` evaluated
         self._where = ""
         self._progress: Progress | None = None
         if live:
@@ -99,15 +100,17 @@ class CampaignProgress:
             self.ran += 1
             self.ran_seconds += seconds
         if evaluation := {k: v for k, v in metrics.items() if k.startswith("eval/")}:
-            self.latest = evaluation
+            self.latest, self.latest_iteration = evaluation, iteration
         self._refresh(f"iteration {iteration}/{self.iterations} {stage} done")
 
     def summary(self, iteration: int) -> str:
-        """The plain line for the end of ``iteration``: position, elapsed, ETA, latest evaluation."""
+        """The plain line for the end of ``iteration``: position, elapsed, ETA, latest evaluation (named by its
+        iteration when an earlier one's: ``campaign.eval_every`` > 1)."""
+        older = f"evaluation of iteration {self.latest_iteration}: " if self.latest_iteration != iteration else ""
         return (
             f"iteration {iteration}/{self.iterations} done; {self.done}/{self.total} stages, elapsed "
             f"{format_seconds(time.monotonic() - self.started)}, ETA {format_seconds(self.eta)}"
-            + (f"; {self.evaluation()}" if self.latest else "")
+            + (f"; {older}{self.evaluation()}" if self.latest else "")
         )
 
     def close(self) -> None:

@@ -496,7 +496,8 @@ def resume(
                 _fail(str(exc))
             pruned = f" {freed / 2**20:.1f} MiB of pool data pruned (storage.pool, keep_pools)." if freed else ""
             typer.echo(
-                f"run {run_id} is complete ({run_.config.campaign.iterations} iterations committed); "
+                f"run {run_id} is complete ({run_.config.campaign.iterations} "
+                f"iteration{'s' * (run_.config.campaign.iterations != 1)} committed); "
                 f"nothing to do.{pruned} See `{_command('report', run_id, '--store', store)}`."
             )
             return

@@ -151,8 +151,10 @@ class ExploreConfig(_Section):
     min_dim: int = Field(0, ge=0, description="Layers with max(in, out) <= min_dim stay high precision (Sol-RL rule).")
     activation_scale: Literal["sample", "call"] = Field(
         "sample",
-        description="Emulated backends: one activation tensor scale per sample (a candidate does not depend on the "
-        "batch it was sampled in) or per forward call (the whole batch's amax, as Transformer Engine does).",
+        description="Emulated backends: one activation tensor scale per sample (a candidate's scales do not depend "
+        "on the batch it was sampled in; a CPU whose float32 GEMM rounds a row by its batch still moves a value "
+        "across an E2M1 rounding boundary now and then) or per forward call (the whole batch's amax, as "
+        "Transformer Engine does).",
     )
     keep_copy: Literal["device", "host", "none"] = Field(
         "host",
@@ -470,7 +472,7 @@ class CampaignConfig(_Section):
     )
     eval_seeds: int = Field(8, ge=1, le=MAX_POOL_SIZE, description="Fixed seeds per evaluation prompt.")
     eval_every: int = Field(
-        1, ge=1, description="Evaluate the rollout policy every N iterations (and before the first)."
+        1, ge=1, description="Evaluate the rollout policy every N iterations, before the first and after the last."
     )
     eval_steps: int | None = Field(
         None, ge=1, le=MAX_STEPS, description="Sampling steps of the evaluation; null = regenerate.steps."
@@ -639,6 +641,12 @@ class RunConfig(_Section):
         # read without them (context plugins=False): its plug-ins may not be installed where it is reported.
         if info.context and info.context.get("plugins") is False:
             return self
+        # Not where a stored run is read (above): a run made before this rule still lists and reports.
+        if not any(self.reward.weights.values()):  # every advantage 0: the policy never moves
+            raise ValueError(
+                f"reward.weights={dict(self.reward.weights)} are all 0, so every advantage is 0 and the policy "
+                "never changes; give a reward a non-zero weight (a reward only to watch goes in reward.evaluate)"
+            )
         from solrl.registry import EXPLORE_BACKENDS, LOSSES, REWARDS
 
         registered_family(self.model.family).for_source(self.model.source).validate_config(self)

@@ -29,9 +29,9 @@ GRID = EvalSamples.grid
 
 
 def evaluation_due(cfg: RunConfig, iteration: int) -> bool:
-    """Whether the evaluation runs at ``iteration``: every ``campaign.eval_every`` iterations, and at 0 (the
-    starting policy)."""
-    return iteration % cfg.campaign.eval_every == 0
+    """Whether the evaluation runs at ``iteration``: every ``campaign.eval_every`` iterations, at 0 (the
+    starting policy) and at the last (the policy the campaign ends with)."""
+    return iteration % cfg.campaign.eval_every == 0 or iteration == cfg.campaign.iterations
 
 
 def evaluate(ctx: StageContext, out: Path, trained: TrainedPolicy | None, *, shard: Shard = WHOLE) -> StageOutput:

@@ -47,10 +47,12 @@ class LeaseLost(RuntimeError):
 
 def _process_start(pid: int) -> int | None:
     """The start time of process ``pid`` in clock ticks since boot (``/proc/<pid>/stat`` field 22), None when
-    no such process: with the pid, an identity that a reused pid does not repeat."""
+    no such process runs: with the pid, an identity that a reused pid does not repeat. A process that has exited
+    and that its parent has not reaped yet (state Z, a zombie; X, dead) runs no more: None."""
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
+            fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+        return None if fields[0] in ("Z", "X") else int(fields[19])
     except (OSError, IndexError, ValueError):
         return None
 

@@ -32,6 +32,7 @@ runner = CliRunner()
         (["run", "--set", "name=../../etc"], "config name '../../etc' begins the ids of runs made without --run-id"),
         # a typo's pool (or steps) used to sit in explore for ever, drawing seeds one by one
         (["run", "--set", "explore.pool_size=100000000000000000000000"], "explore.pool_size: Input should be less"),
+        (["run", "--set", "reward.weights={digit_alignment: 0.0}"], "are all 0, so every advantage is 0"),
         (["run", "--set", "regenerate.steps=5000"], "regenerate.steps: Input should be less than or equal to 1000"),
         (["run", "--set", "explore.precision=[1, 2"], "value '[1, 2' is not valid YAML (expected ',' or ']', but"),
         (["run", "--set", "train.loss_options={grpo_guard: true}"], "train.loss_options.grpo_guard: unknown key"),

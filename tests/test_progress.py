@@ -52,7 +52,9 @@ def test_skipped_stages_count_toward_progress_but_not_toward_the_eta():
     assert progress.eta == 6.0
     line = progress.summary(1)
     assert line.startswith("iteration 1/1 done; 2/3 stages, elapsed 0:00:0") and "ETA 0:00:06" in line
-    assert line.endswith("diversity 0.200")
+    assert line.endswith("; diversity 0.200")
+    # an earlier iteration's evaluation (eval_every > 1) was shown as if it were this one's
+    assert progress.summary(2).endswith("; evaluation of iteration 1: diversity 0.200")
     assert format_seconds(3725) == "1:02:05" and format_seconds(float("nan")) == "-:--:--"
 
 

@@ -460,7 +460,7 @@ def test_the_evaluation_samples_the_adapter_it_is_told_to(tmp_path):
 
 def test_each_stage_says_when_it_is_due():
     """The campaign's plan asks each stage (``Stage.due``): the audit every fidelity.audit_every iterations, the
-    evaluation every campaign.eval_every and at 0, every other stage always."""
+    evaluation every campaign.eval_every, at 0 and at the last, every other stage always."""
     from solrl.config import load_config
     from solrl.stages.pipeline import ITERATION, campaign_plan
 
@@ -471,3 +471,7 @@ def test_each_stage_says_when_it_is_due():
     assert [i for i, stages in plan.items() if "evaluate" in stages] == [0, 4, 8]
     always = [s.name for s in ITERATION if s.name not in ("audit", "evaluate")]
     assert all(set(always) <= set(plan[i]) for i in range(1, 9))
+    # the policy the campaign ends with is evaluated, whatever eval_every says (it was not: 3 with eval_every 2)
+    for iterations, every, evaluated in ((3, 2, [0, 2, 3]), (2, 5, [0, 2]), (1, 1, [0, 1])):
+        cfg = load_config("tiny-digits", [f"campaign.iterations={iterations}", f"campaign.eval_every={every}"])
+        assert [i for i, stages in campaign_plan(cfg) if "evaluate" in stages] == evaluated

@@ -341,6 +341,28 @@ def test_two_processes_starting_runs_in_a_new_store_at_once_both_get_an_mlflow_r
     assert not list(store.glob(".mlflow.db.tmp-*"))
 
 
+def test_a_lease_holder_that_exited_and_was_not_reaped_yet_is_not_alive():
+    """A run killed with SIGKILL stays a zombie until its parent reaps it: a resume at once was refused as
+    "being written by another process", naming the dead pid."""
+    import socket
+    import subprocess
+    import time
+
+    from solrl.storage.lease import _process_start, holder_alive
+
+    child = subprocess.Popen(["sleep", "0.5"])
+    holder = {"host": socket.gethostname(), "pid": child.pid, "start": _process_start(child.pid)}
+    try:
+        assert holder["start"] is not None and holder_alive(holder) is True
+        deadline = time.monotonic() + 10
+        while open(f"/proc/{child.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":  # exited, not reaped
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert holder_alive(holder) is False
+    finally:
+        child.wait()
+
+
 def test_a_process_whose_run_lease_was_taken_commits_nothing(tmp_path: Path):
     """The run lock is a lease (``solrl.storage.lease``): when another holder takes it over (this process
     stalled past its term), the next renewal notices, and the stage commit refuses before replacing anything. The
