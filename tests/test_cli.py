@@ -229,7 +229,11 @@ def test_ls_marks_a_run_whose_config_was_edited_by_hand(tmp_path: Path):
     [
         (["--port", "99999"], "Invalid value for '--port'"),
         (["--device", "tpu"], "solrl: error: --device 'tpu': give auto, cpu, cuda or cuda:N"),
-        (["--host", "999.1.1.1"], "solrl: error: --host 999.1.1.1 --port 8765: cannot listen there"),
+        # an address of no interface here (TEST-NET-1): refused without a name lookup
+        (
+            ["--host", "192.0.2.1"],
+            "--host 192.0.2.1 --port 8765: cannot listen there (Cannot assign requested address)",
+        ),
         (["--host", "127.0.0.1", "--port", "{taken}"], "--port {taken}: cannot listen there (Address already in use)"),
     ],
 )
