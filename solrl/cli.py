@@ -55,6 +55,13 @@ def _command(*words: object) -> str:
     return solrl_command(*words)
 
 
+def _redo_hint(run_id: str, store: str, what: str) -> str:
+    """How to recompute ``what`` (``it``, ``them``: stages that fail verification): uncommit, then resume."""
+    return (
+        f"`{_command('verify', run_id, '--store', store, '--redo')}` uncommits {what} and `solrl resume` redoes {what}"
+    )
+
+
 def _quiet_environment() -> None:
     """Defaults for a local, offline run; anything the user set wins. On a terminal, Prefect's console shows
     warnings only (the live progress line replaces its per-stage lines; the Prefect UI still gets them)."""
@@ -875,11 +882,7 @@ def show(
     how = f", decoded from its latents by the {decoded[0]} model" if decoded else ""
     typer.echo(f"pool of {view.prompt!r} ({len(view.rewards)} candidates, {kept} kept{how}) written to {out}")
     if view.selection != "committed":
-        redo = (
-            f"; `{_command('verify', run_id, '--store', store, '--redo')}` uncommits it and `solrl resume` redoes it"
-            if view.selection == "fails verification"
-            else ""
-        )
+        redo = f"; {_redo_hint(run_id, store, 'it')}" if view.selection == "fails verification" else ""
         typer.echo(
             f"solrl: warning: iteration {iteration}'s select stage "
             f"{'is ' * (view.selection == 'not committed')}{view.selection}, so no seed is marked kept{redo}",
@@ -937,7 +940,7 @@ def prune(
         typer.echo(
             "solrl: warning: left as they are, failing verification (a manifest unreadable or a file of another "
             f"size): {', '.join(f'iteration {i} {stage}' for i, stage in broken)}; "
-            f"`{_command('verify', run_id, '--store', store, '--redo')}` uncommits them and `solrl resume` redoes them",
+            f"{_redo_hint(run_id, store, 'them')}",
             err=True,
         )
 
@@ -972,7 +975,8 @@ def export(
         _fail(str(exc))
     iterations = range(1, run_.config.campaign.iterations + 1)
     committed = [i for i in iterations if read_manifest(run_.run_dir, i, "checkpoint")]
-    damaged = [i for i, _ in broken_manifests(run_.run_dir, [(i, ("checkpoint",)) for i in iterations])]
+    uncommitted = [(i, ("checkpoint",)) for i in iterations if i not in committed]  # each manifest read once
+    damaged = [i for i, _ in broken_manifests(run_.run_dir, uncommitted)]
 
     def fails_verification(at: int) -> str:
         return (
