@@ -562,7 +562,10 @@ def report(
         Path | None, typer.Option(help="Also save the evaluation curves as a PNG here (a .png file, or a folder).")
     ] = None,
     html: Annotated[
-        Path | None, typer.Option("--html", help="Also write one self-contained HTML report page here.")
+        Path | None,
+        typer.Option(
+            "--html", help="Also write one self-contained HTML report page here (an .html file, or a folder)."
+        ),
     ] = None,
 ) -> None:
     """Per-iteration table of a run (evaluation, rewards, fidelity, seconds), from its manifests."""
@@ -577,13 +580,16 @@ def report(
         run_ = open_run(store, run_id)
     except ConfigError as exc:
         _fail(str(exc))
+    if html is not None:  # checked before the table, as --plot is
+        if html.is_dir():
+            html = html / f"{run_id}-report.html"
+        elif html.suffix.lower() not in (".html", ".htm"):
+            _fail(f"--html {html}: give an .html file (or a folder, for {run_id}-report.html)")
     if plot is not None:  # checked before the table: matplotlib picks a format by the suffix, or adds ".png"
         if plot.is_dir():
             plot = plot / f"{run_id}-curves.png"
         elif plot.suffix.lower() != ".png":
             _fail(f"--plot {plot}: give a .png file (or a folder, for {run_id}-curves.png)")
-        if html is not None and plot.resolve() == html.resolve():
-            _fail(f"--plot and --html are one file ({plot}): the page would replace the curves")
     frame = collect_metrics(run_.run_dir, tuple(s.name for s in ITERATION))
     if frame.empty:
         _fail(f"run {run_id} has no committed stage yet")
@@ -693,15 +699,19 @@ def inspect(
     from rich.console import Console
     from rich.table import Table
 
+    from solrl.storage.artifacts import FidelityTable
     from solrl.storage.audit import audit_iteration
 
     run_, iteration, due = _open_iteration(store, run_id, iteration)
     found = audit_iteration(run_.run_dir, iteration, due)
     console = Console(width=200)
 
-    def show(title: str, frame: pd.DataFrame | None, missing: str) -> None:
+    def show(title: str, frame: pd.DataFrame | None, missing: str, empty: str = "") -> None:
         if frame is None:
             console.print(f"[bold]{title}[/bold]: not available ({missing})\n")
+            return
+        if frame.empty and empty:
+            console.print(f"[bold]{title}[/bold]: {empty}\n")
             return
         table = Table(title=title, title_justify="left")
         for column in frame.columns:
@@ -730,7 +740,12 @@ def inspect(
             + (f"its latents remain: {see} decodes them" if "latents" not in gone else "rankings above remain")
         )
     show("kept seeds", found.selection, f"select {state_of('select')}")
-    show("proxy fidelity per prompt (kept seeds)", found.fidelity, f"score_regenerate {state_of('score_regenerate')}")
+    show(
+        "proxy fidelity per prompt (kept seeds)",
+        found.fidelity,
+        f"score_regenerate {state_of('score_regenerate')}",
+        empty=f"not measured ({FidelityTable.not_measured})",
+    )
     if found.audit_pool is not None:
         console.print(f"audit: {found.audit_pool['group'].nunique()} whole pools regenerated in BF16 (audit/*)")
     figures = {k: v for k, v in found.metrics.items() if k.startswith(("fidelity/", "audit/", "select/"))}
@@ -924,7 +939,7 @@ def prune(
         given = {"--pool": pool, "--keep-last": keep_last, "--keep-every": keep_every}
         again = ("prune", *(word for option, value in given.items() if value is not None for word in (option, value)))
         with run_lock(run_.run_dir, then=again):
-            freed = prune_run(cfg, run_.run_dir)
+            freed = prune_run(cfg, run_.run_dir, by="solrl prune")
     except ConfigError as exc:
         _fail(str(exc))
     except ValueError as exc:  # pydantic's message for a bad --pool

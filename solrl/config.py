@@ -110,7 +110,10 @@ class ModelConfig(_Section):
         "order, one model call per step; Sol-RL's FLUX.1 and SD3.5 configs).",
     )
     guidance: float = Field(
-        1.0, ge=0, description="FLUX.1-dev guidance-embedding value (Sol-RL samples without CFG: 1.0)."
+        1.0,
+        ge=0,
+        description="Guidance-embedding value of a transformer that embeds one (FLUX.1-dev, FLUX.2-dev; Sol-RL "
+        "samples without CFG); any value but 1.0 is refused for a family that embeds none.",
     )
     max_sequence_length: int | None = Field(
         None, ge=1, description="Text tokens of the (T5 / Gemma) text encoder; null = the family's default."
@@ -651,7 +654,13 @@ class RunConfig(_Section):
 
         registered_family(self.model.family).for_source(self.model.source).validate_config(self)
         _registered(EXPLORE_BACKENDS, self.explore.precision, "explore.precision").validate_config(self)
-        _registered(LOSSES, self.train.loss, "train.loss").validate_config(self)
+        loss = _registered(LOSSES, self.train.loss, "train.loss")
+        loss.validate_config(self)
+        if window is not None and loss.noise_level(self) == 0:
+            raise ValueError(
+                f"regenerate.sde_window={list(window)}: train.loss={self.train.loss} samples with the ODE (no SDE "
+                f"log-probs), so the window would change nothing; remove it (it applies to a loss on SDE log-probs)"
+            )
         rewards = self.reward
         for name in rewards.weights:
             _registered(REWARDS, rewards.type_of(name), "reward.weights")

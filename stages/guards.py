@@ -42,6 +42,12 @@ class Alarm:
     message: str  # what is wrong, by how much, and where to look
 
 
+def _percent(fraction: float) -> str:
+    """``fraction`` as a percentage to 3 significant figures: a 0.18% drop is not "0%", nor a bound of 0.999
+    "100%"."""
+    return f"{100 * fraction:.3g}%"
+
+
 def evaluation_alarms(
     metrics: dict[str, float],
     start: dict[str, float] | None,
@@ -66,8 +72,9 @@ def evaluation_alarms(
                     iteration,
                     diversity,
                     bound,
-                    f"sample diversity {diversity:.4f} is {1 - diversity / diversity_start:.0%} below the starting "
-                    f"policy's {diversity_start:.4f} (alarm below {bounds.guard_diversity:.0%} of it, {bound:.4f}): "
+                    f"sample diversity {diversity:.4f} is {_percent(1 - diversity / diversity_start)} below the "
+                    f"starting policy's {diversity_start:.4f} (alarm below {_percent(bounds.guard_diversity)} of it, "
+                    f"{bound:.4f}): "
                     f"the training reward may be gamed; look at {EvalSamples.grid} and the other rewards",
                 )
             )

@@ -455,15 +455,10 @@ def make_plan(
             },
         ),
         StageNeed("score", {**resident, **kept_copy, "rewards while scoring": scored}),
-        StageNeed(
-            "regenerate",
-            {
-                **resident,
-                **kept_copy,
-                "sampling": max(f.sample.at(cfg.regenerate.batch_size), f.decode.at(decode_batch)),
-            },
-        ),
     ]
+    if cfg.regenerate.enabled:  # else the kept explore samples are copied: nothing is sampled
+        regenerate = {"sampling": max(f.sample.at(cfg.regenerate.batch_size), f.decode.at(decode_batch))}
+        stages.append(StageNeed("regenerate", {**resident, **kept_copy, **regenerate}))
     rows = math.ceil(tc.micro_batch / processes)
     activations = (f.train_checkpointed if checkpointing else f.train).at(rows)
     trainable = 3 * f.lora  # the policy LoRA's gradients and AdamW's two moments, in the LoRA's own dtype

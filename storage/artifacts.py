@@ -689,6 +689,10 @@ class FidelityTable(TableArtifact):
     stage: ClassVar[str] = "score_regenerate"
     filename: ClassVar[str] = "fidelity.parquet"
     columns: ClassVar[tuple[str, ...]] = ("group", "prompt", "spearman", "kendall", "top_half_match")
+    #: Why the table is empty when it is (``regenerate.enabled=false``).
+    not_measured: ClassVar[str] = (
+        "regenerate.enabled=false trains on the explore samples themselves, so there is no BF16 ranking to compare"
+    )
 
 
 @dataclass

@@ -86,11 +86,12 @@ def pool_summary(rewards: ExploreRewards) -> pd.DataFrame:
 
 def selection_table(selection: Selection, regenerated: RegeneratedRewards | None) -> pd.DataFrame:
     """The kept seeds, one row per (group, slot): group, prompt, slot, kept_as, seed, candidate_index, rank (in
-    the pool, 1 = best), explore_reward and, when the regeneration was scored, bf16_reward."""
+    the pool, 1 = best), explore_reward and, when the regeneration was scored, bf16_reward (not with
+    ``regenerate.enabled=false`` and a low-precision explore: the rewards scored then are the explore samples')."""
     table = selection.ordered[
         ["group", "prompt", "slot", "kept_as", "seed", "candidate_index", "rank", "explore_reward"]
     ].reset_index(drop=True)
-    if regenerated is not None:
+    if regenerated is not None and set(regenerated.frame["precision"]) == {"bf16"}:
         bf16 = candidate_totals(regenerated)[["group", "candidate_index", "reward"]]
         table = table.merge(bf16.rename(columns={"reward": "bf16_reward"}), on=["group", "candidate_index"], how="left")
     return table

@@ -43,28 +43,34 @@ def _arrays(artifact: type[ZarrArtifact], manifest: StageManifest, names: Iterab
     return {name: why for name in names if manifest.holds(artifact.array_folder(name))}
 
 
-def planned(cfg: RunConfig, run_dir: Path, iteration: int, latest: int) -> dict[str, dict[str, str]]:
+def planned(
+    cfg: RunConfig, run_dir: Path, iteration: int, latest: int, by: str | None = None
+) -> dict[str, dict[str, str]]:
     """What retention removes of ``iteration`` now: stage -> {array: why}; nothing while its checkpoint is not
-    committed. ``latest``: the last iteration with a committed checkpoint."""
+    committed. ``latest``: the last iteration with a committed checkpoint. ``by``: the command applying the rule
+    when it is not the campaign's own (``solrl prune``, whose options may differ from the run's settings): the
+    reasons then name it and the rule's values."""
     if iteration < 1 or read_manifest(run_dir, iteration, "checkpoint") is None:
         return {}
+    rule, mode = cfg.storage.keep_pools, cfg.storage.pool
+    retention = RETENTION if by is None else f"{by} ({RETENTION} last={rule.last} every={rule.every})"
+    pool_mode = POOL_MODE.format(mode=mode) if by is None else f"{by} ({POOL_MODE.format(mode=mode)})"
     plan: dict[str, dict[str, str]] = {}
     explore = read_manifest(run_dir, iteration, CandidatePool.stage)
     keep = kept(cfg, iteration, latest)
     if explore is not None:
-        mode = cfg.storage.pool
         if not keep:
-            names, why = CandidatePool.lazy, RETENTION
+            names, why = CandidatePool.lazy, retention
         elif mode == "rankings":
-            names, why = CandidatePool.lazy, POOL_MODE.format(mode=mode)
+            names, why = CandidatePool.lazy, pool_mode
         elif mode == "latents" and explore.holds(CandidatePool.array_folder("latents")):
-            names, why = ("images",), POOL_MODE.format(mode=mode)  # a pool without latents keeps its images
+            names, why = ("images",), pool_mode  # a pool without latents keeps its images
         else:
             names, why = (), ""
         if arrays := _arrays(CandidatePool, explore, names, why):
             plan[CandidatePool.stage] = arrays
     if not keep and (samples := read_manifest(run_dir, iteration, Samples.stage)) is not None:
-        if arrays := _arrays(Samples, samples, Samples.lazy, RETENTION):
+        if arrays := _arrays(Samples, samples, Samples.lazy, retention):
             plan[Samples.stage] = arrays
     return plan
 
@@ -77,13 +83,15 @@ def latest_checkpoint(run_dir: Path, iterations: int) -> int:
     return 0
 
 
-def apply_retention(cfg: RunConfig, run_dir: Path, iterations: Iterable[int], latest: int) -> int:
-    """Prune what ``storage.pool`` and ``storage.keep_pools`` say of ``iterations`` (``planned``), the caller
-    holding the run's lock. Returns the bytes removed."""
+def apply_retention(
+    cfg: RunConfig, run_dir: Path, iterations: Iterable[int], latest: int, by: str | None = None
+) -> int:
+    """Prune what ``storage.pool`` and ``storage.keep_pools`` say of ``iterations`` (``planned``, with ``by``),
+    the caller holding the run's lock. Returns the bytes removed."""
     artifacts = {CandidatePool.stage: CandidatePool, Samples.stage: Samples}
     freed = 0
     for iteration in iterations:
-        for stage, arrays in planned(cfg, run_dir, iteration, latest).items():
+        for stage, arrays in planned(cfg, run_dir, iteration, latest, by).items():
             freed += artifacts[stage].prune_arrays(run_dir, iteration, arrays)
     return freed
 
@@ -98,8 +106,8 @@ def after_iteration(cfg: RunConfig, run_dir: Path, iteration: int) -> int:
     return apply_retention(cfg, run_dir, sorted(i for i in touched if i >= 1), iteration)
 
 
-def prune_run(cfg: RunConfig, run_dir: Path) -> int:
-    """Retention over every iteration of a run (``solrl prune``; a campaign's start, where the settings may have
-    changed since). Returns the bytes removed."""
+def prune_run(cfg: RunConfig, run_dir: Path, by: str | None = None) -> int:
+    """Retention over every iteration of a run (``solrl prune``, ``by="solrl prune"``; a campaign's start, where
+    the settings may have changed since). Returns the bytes removed."""
     latest = latest_checkpoint(run_dir, cfg.campaign.iterations)
-    return apply_retention(cfg, run_dir, range(1, latest + 1), latest)
+    return apply_retention(cfg, run_dir, range(1, latest + 1), latest, by)

@@ -30,9 +30,9 @@ SECTIONS = (
 
 def rankings(run_dir: Path, iteration: int) -> list[dict[str, object]]:
     """The kept seeds of ``iteration``, one row per (prompt, slot), best first: prompt, kept_as, seed (a decimal
-    string, exact in a browser), explore
-    rank in the pool (1 = best), explore reward, BF16 reward (None until score_regenerate is committed) and the
-    BF16 rank within the prompt's kept group (1 = best). Floats rounded to 4 decimals for display.
+    string, exact in a browser), explore rank in the pool (1 = best), explore reward, BF16 reward (None until
+    score_regenerate is committed, or when nothing was regenerated) and the BF16 rank within the prompt's kept
+    group (1 = best). Floats rounded to 4 decimals for display.
 
     Raises:
         StageNotCommitted: select is not committed.
@@ -106,7 +106,10 @@ def summary_markdown(
             lines += ["", f"## {title}", "", *table]
     if "score_regenerate" in manifests:
         fidelity = FidelityTable.load(run_dir, iteration).frame
-        lines += ["", "### Per prompt", "", _markdown_frame(fidelity.drop(columns=["group"]))]
+        if fidelity.empty:
+            lines += ["", f"## {SECTIONS[0][0]}", "", f"Not measured: {FidelityTable.not_measured}."]
+        else:
+            lines += ["", "### Per prompt", "", _markdown_frame(fidelity.drop(columns=["group"]))]
     if manifests:
         lines += ["", "## Seconds per stage", "", "| stage | seconds |", "| --- | --- |"]
         lines += [f"| {s} | {m.seconds:.2f} |" for s, m in manifests.items()]

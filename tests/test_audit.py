@@ -165,10 +165,12 @@ def test_show_draws_a_pool_whose_select_stage_fails_verification_and_says_no_see
 
 def test_report_plot_paths_are_checked_before_the_table(finished: Path, tmp_path: Path):
     """``--plot`` wrote ``noext.png`` and said ``noext``, raised matplotlib's traceback for ``.txt`` after the
-    table, and ``--html`` of the same path replaced the curves without a word."""
+    table, and ``--html`` of the same path replaced the curves without a word: each takes its own suffix, or a
+    folder."""
     args = ["report", "done", "--store", str(finished)]
-    into = runner.invoke(app, [*args, "--plot", str(tmp_path)])
+    into = runner.invoke(app, [*args, "--plot", str(tmp_path), "--html", str(tmp_path)])
     assert into.exit_code == 0 and f"curves saved to {tmp_path / 'done-curves.png'}" in into.stdout, into.output
+    assert f"report page written to {tmp_path / 'done-report.html'}" in into.stdout
     assert (tmp_path / "done-curves.png").read_bytes().startswith(b"\x89PNG")
     rows = [[cell.strip() for cell in line.split("│")[1:-1]] for line in into.stdout.splitlines()]
     rows = [row for row in rows if row and row[0].isdigit()]
@@ -177,12 +179,12 @@ def test_report_plot_paths_are_checked_before_the_table(finished: Path, tmp_path
     for plot, extra, says in (
         ("noext", [], "--plot {}: give a .png file (or a folder, for done-curves.png)"),
         ("p.txt", [], "--plot {}: give a .png file (or a folder, for done-curves.png)"),
-        ("same.png", ["--html", str(tmp_path / "same.png")], "--plot and --html are one file ({})"),
+        ("same.png", ["--html", str(tmp_path / "same.png")], "--html {}: give an .html file (or a folder, for "),
     ):
         bad = runner.invoke(app, [*args, "--plot", str(tmp_path / plot), *extra])
         assert bad.exit_code == 2 and bad.stdout == "", bad.output
         assert bad.stderr.startswith("solrl: error: " + says.format(tmp_path / plot)), bad.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["done-curves.png"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["done-curves.png", "done-report.html"]
 
 
 def test_the_docs_audit_snippet_runs_on_a_finished_run(finished: Path, monkeypatch: pytest.MonkeyPatch):

@@ -108,6 +108,11 @@ def test_config_is_frozen_and_hash_changes_with_values():
         (["train.timestep_fraction=0"], r"train.timestep_fraction: Input should be greater than 0"),
         (["regenerate.sde_window=[3, 2]"], r"regenerate.sde_window=\[3, 2\] must satisfy 0 <= start < end <= "),
         (["regenerate.sde_window=[0, 10]"], r"end <= regenerate.steps - 1 = 9"),
+        # Settings the family or the loss ignores: refused, not taken into the config hash.
+        (["regenerate.sde_window=[0, 3]"], r"train.loss=nft samples with the ODE .* remove it \(it applies to a loss"),
+        (["model.guidance=3.5"], r"model.guidance=3.5: tiny-digits's transformer embeds no guidance value"),
+        (["model.family=chroma", "model.guidance=4"], r"model.guidance=4: chroma's transformer embeds no guidance"),
+        (["model.max_sequence_length=64"], r"tiny-digits' text encoder reads 6 tokens, always; remove it"),
     ],
 )
 def test_bad_overrides_raise_one_line_config_error(overrides, match):

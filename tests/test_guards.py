@@ -43,6 +43,11 @@ def test_alarms_compare_with_the_start_and_name_the_measure_and_by_how_much(tmp_
     assert diversity.bound == pytest.approx(0.14) and "35% below the starting policy's 0.2000" in diversity.message
     assert grid.measure == "grid_energy" and "4.0x the starting policy's" in grid.message
     assert "2-pixel patch period" in grid.message
+    # A bound just under the start: the message keeps the figures that make it an alarm (it said "0% below ...
+    # (alarm below 100% of it").
+    close = _cfg(tmp_path, "campaign.guard_diversity=0.999").campaign
+    (small,) = evaluation_alarms({"eval/diversity": 0.19964}, start, 4, close)
+    assert "0.18% below the starting policy's 0.2000 (alarm below 99.9% of it" in small.message
     assert fidelity_alarm({"fidelity/spearman": 0.5}, None, 3) is None  # no bound set
     assert fidelity_alarm({"fidelity/spearman": 0.8}, 0.7, 3) is None
     low = fidelity_alarm({"fidelity/spearman": 0.5}, 0.7, 3)

@@ -92,6 +92,9 @@ def test_the_plan_adds_up_and_its_largest_batches_fit_exactly(digits_footprint):
         cfg.model_copy(update={"train": cfg.train.model_copy(update={"micro_batch": largest + 1})}), footprint, device
     )
     assert "update" not in {s.stage for s in fits.over()} and "update" in {s.stage for s in over.over()}
+    # Without regeneration nothing is sampled after explore: the plan has no regenerate stage.
+    copied = cfg.model_copy(update={"regenerate": cfg.regenerate.model_copy(update={"enabled": False})})
+    assert [s.stage for s in make_plan(copied, footprint, device).stages] == ["explore", "score", "update"]
 
 
 def test_the_explore_copy_is_resident_outside_explore_only_with_keep_copy_device(digits_footprint):

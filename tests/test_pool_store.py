@@ -306,6 +306,8 @@ def test_retention_keeps_the_expected_pools_of_a_12_iteration_campaign(tmp_path)
     pruned = runner.invoke(app, ["prune", "kept", "--store", str(store), "--pool", "rankings"])
     assert pruned.exit_code == 0 and "pool=rankings" in pruned.output
     assert CandidatePool.load(run.run_dir, 11).latents is None
+    # The record names the command that pruned, not the run's own rule (it said "storage.pool=latents").
+    assert CandidatePool.load(run.run_dir, 11).pruned["latents"] == "solrl prune (storage.pool=rankings)"
     assert first_pending(StageContext.of(run, 0)) is None
     bad = runner.invoke(app, ["prune", "kept", "--store", str(store), "--pool", "pixels"])
     assert bad.exit_code == 2 and "give full, latents or rankings" in bad.stderr

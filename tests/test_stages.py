@@ -14,6 +14,7 @@ from solrl.stages.pipeline import ITERATION, run_stage
 from solrl.storage.artifacts import (
     CandidatePool,
     ExploreRewards,
+    FidelityTable,
     RegeneratedRewards,
     RewardStats,
     Samples,
@@ -22,6 +23,7 @@ from solrl.storage.artifacts import (
 from solrl.storage.checkpoints import load_checkpoint
 from solrl.storage.runs import create_run
 from solrl.storage.stage import StageNotCommitted, stage_dir
+from solrl.storage.summary import rankings, summary_markdown
 
 
 def read_arrays(path):
@@ -296,8 +298,15 @@ def test_without_regenerate_the_update_trains_on_the_kept_explore_samples(tmp_pa
     )
     run = create_run(cfg, f"naive-{loss}")
     ctx = StageContext(cfg, run.run_dir, run.run_id, 1)
-    for stage in ("explore", "score_explore", "select", "regenerate", "score_regenerate", "update"):
-        manifest, _ = run_stage(ctx, stage)
+    stages = ("explore", "score_explore", "select", "regenerate", "score_regenerate", "update")
+    manifests = {stage: run_stage(ctx, stage)[0] for stage in stages}
+    manifest = manifests["update"]
+    # Nothing was regenerated, so there is no BF16 ranking: no fidelity figure (it was a Spearman of 1.0, the
+    # explore rewards against themselves), an empty table, and the summary says why.
+    assert not [m for m in manifests["score_regenerate"].metrics if m.startswith("fidelity/")]
+    assert FidelityTable.load(run.run_dir, 1).frame.empty
+    assert FidelityTable.not_measured in summary_markdown(run.run_dir, run.run_id, 1, stages)
+    assert {row["bf16_reward"] for row in rankings(run.run_dir, 1)} == {None}  # the NVFP4 samples' are not BF16's
     pool, _ = read_arrays(stage_dir(run.run_dir, 1, "explore") / "candidates.zarr")
     kept, attrs = read_arrays(stage_dir(run.run_dir, 1, "regenerate") / "samples.zarr")
     rows = np.arange(2)[:, None]

@@ -131,14 +131,24 @@ class ModelAdapter:
     # -- class level: checks that need no weights loaded -------------------------------------------------------
     #: Whether the family samples videos (``model.num_frames`` applies).
     video: ClassVar[bool] = False
+    #: Whether the transformer embeds a guidance value (``model.guidance`` applies: FLUX.1-dev, FLUX.2-dev).
+    guidance_embedding: ClassVar[bool] = False
 
     @classmethod
     def validate_config(cls, cfg: RunConfig) -> None:
-        """Family-specific rules of a valid config (pure). Raises ValueError naming the value and the fix."""
+        """Family-specific rules of a valid config (pure): a setting the family ignores is refused rather than
+        taken (it would change the run's config hash and nothing else). Raises ValueError naming the value and
+        the fix."""
         if cfg.model.num_frames is not None and not cls.video:
             raise ValueError(
                 f"model.num_frames={cfg.model.num_frames}: {cls.name} is an image family; model.num_frames is for "
                 f"video families (wan); remove it"
+            )
+        if cfg.model.guidance != 1.0 and not cls.guidance_embedding:
+            raise ValueError(
+                f"model.guidance={cfg.model.guidance:g}: {cls.name}'s transformer embeds no guidance value, so it "
+                f"would change nothing (solrl samples without classifier-free guidance); remove it (it applies to "
+                f"flux and flux2, which embed one)"
             )
 
     @classmethod

@@ -38,6 +38,7 @@ class Chroma(Flux):
     hub_id: ClassVar[str] = "lodestones/Chroma1-HD"
     weights_hint: ClassVar[str] = "https://huggingface.co/lodestones/Chroma1-HD (Apache-2.0)"
     pipeline_class: ClassVar[str] = "ChromaPipeline"
+    guidance_embedding: ClassVar[bool] = False  # the distilled guidance network takes the timestep only
     explore_skip: ClassVar[tuple[str, ...]] = ("x_embedder", "context_embedder", "distilled_guidance_layer", "norm_out")
     text_encoder_names: ClassVar[tuple[str, ...]] = ("text_encoder",)
     pooled_width_key: ClassVar[str | None] = None

@@ -32,6 +32,7 @@ class Flux(DiffusersFamily):
     hub_id: ClassVar[str] = "black-forest-labs/FLUX.1-dev"
     weights_hint: ClassVar[str] = "https://huggingface.co/black-forest-labs/FLUX.1-dev (gated: accept the licence)"
     pipeline_class: ClassVar[str] = "FluxPipeline"
+    guidance_embedding: ClassVar[bool] = True
     lora_targets: ClassVar[tuple[str, ...]] = ("to_q", "to_k", "to_v", "to_out.0")
     explore_skip: ClassVar[tuple[str, ...]] = ("x_embedder", "context_embedder", "time_text_embed", "norm_out")
     default_resolution: ClassVar[int] = 512

@@ -220,6 +220,7 @@ class Flux2(Flux2Klein):
     )
     published_variants: ClassVar[tuple[tuple[str, str], ...]] = ()  # not FLUX.2-klein's
     pipeline_class: ClassVar[str] = "Flux2Pipeline"
+    guidance_embedding: ClassVar[bool] = True
     #: The Mistral-3 layers whose hidden states make the prompt embedding (the pipeline's default).
     text_encoder_out_layers: ClassVar[tuple[int, ...]] = (10, 20, 30)
 
