@@ -1042,6 +1042,8 @@ def export(
             f"<the transformer>.load_lora_adapter({str(out)!r}, weight_name={path.name!r}, prefix='transformer') "
             f"({family.name} has no stock diffusers pipeline; its transformer is a {family.pipeline_class}'s)"
         )
+    if family.guidance_embedding:  # the stock pipeline's own default differs: say what the policy sampled with
+        how += f"\n  sample as the policy did with guidance_scale={cfg.model.guidance:g} (the embedded guidance)"
     typer.echo(
         f"{adapter} LoRA of run {run_id} iteration {iteration} written to {path}{replaced}\n  load it with {how}"
     )

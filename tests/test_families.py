@@ -58,8 +58,10 @@ def test_a_tiny_family_is_built_saved_and_loaded_through_its_adapter(tmp_path: P
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_exported_lora_loads_into_the_stock_pipeline_and_samples_as_the_policy(tmp_path: Path, family, caplog):
     cfg = _config(family, tmp_path / "runs", "model.solver=euler")
-    policy = trained_policy(cfg, rank=4, alpha=8.0)
     family_cls = model_family(cfg.model)
+    if family_cls.guidance_embedding:  # the pipeline's guidance_scale is then the embedded value: not the default
+        cfg = _config(family, tmp_path / "runs", "model.solver=euler", "model.guidance=3.5")
+    policy = trained_policy(cfg, rank=4, alpha=8.0)
     save_diffusers_lora(policy, "policy", family_cls.pipeline_class, tmp_path / "lora")
     if family == "tiny-sd3":  # the joint attention only: MMDiT-X's second attention stays frozen (as the peers)
         from safetensors.torch import load_file
@@ -121,6 +123,12 @@ def test_two_iteration_campaign_through_the_prefect_flow_with_nvfp4_explore(tmp_
     assert (stage_dir(run.run_dir, 2, "checkpoint") / "lora" / LORA_WEIGHTS).exists()
     audit = read_manifest(run.run_dir, 2, "audit").metrics  # the full-pool BF16 audit ran at iteration 2
     assert -1 <= audit["audit/spearman"] <= 1 and audit["audit/random_rank"] == 4.5
+    store = str(run.run_dir.parent)
+    exported = CliRunner().invoke(app, ["export", run.run_id, "--store", store, "--out", str(tmp_path / "lora")])
+    assert exported.exit_code == 0 and (tmp_path / "lora" / LORA_WEIGHTS).is_file(), exported.output
+    # A stock pipeline's default guidance_scale is not the embedded guidance the policy sampled with: said.
+    said = f"sample as the policy did with guidance_scale={cfg.model.guidance:g}"
+    assert (said in exported.stdout) == family_cls.guidance_embedding, exported.stdout
 
 
 @pytest.mark.parametrize(

@@ -333,8 +333,8 @@ class DiffusersFamily(ModelAdapter):
 
     def stock_call(self, pipe: Any, prompt: str, latents: torch.Tensor, steps: int, **extra: Any) -> Any:
         """``pipe(...)`` (the family's stock diffusers pipeline) on ``prompt`` from ``latents`` in ``steps`` steps at
-        this model's resolution and text length, returning latents (``output_type="latent"``); ``extra`` adds
-        keyword arguments."""
+        this model's resolution, text length and embedded guidance (``model.guidance``, where the transformer
+        embeds one), returning latents (``output_type="latent"``); ``extra`` adds keyword arguments."""
         return pipe(
             prompt=prompt,
             latents=latents,
@@ -343,7 +343,8 @@ class DiffusersFamily(ModelAdapter):
             num_inference_steps=steps,
             max_sequence_length=self.max_sequence_length,
             output_type="latent",
-            **self.stock_call_kwargs,
+            # A guidance-embedding pipeline's guidance_scale is the embedded value (model.guidance), not CFG.
+            **(self.stock_call_kwargs | ({"guidance_scale": self.guidance} if self.guidance_embedding else {})),
             **extra,
         )
 
