@@ -324,7 +324,7 @@ def plan(
         cfg = load_config(config, set_ or [])
         import torch
 
-        from solrl.stages.memory import GIB, GPU_SIZES, cached_measure, fixes, format_plan, make_plan
+        from solrl.stages.memory import GIB, GPU_SIZES, cached_measure, fix_summary, format_plan, make_plan
 
         footprint = cached_measure(cfg, torch.bfloat16)
     except ConfigError as exc:
@@ -336,13 +336,16 @@ def plan(
     except ConfigError as exc:
         typer.echo(f"solrl: warning: {exc}; `solrl run` refuses this config until it is fixed", err=True)
     sizes = gpu or list(GPU_SIZES.values())
-    for gib in sizes:
-        p = make_plan(cfg, footprint, int(gib * GIB))
+    try:
+        plans = [(gib, make_plan(cfg, footprint, int(gib * GIB))) for gib in sizes]
+    except ConfigError as exc:  # e.g. a reward plug-in that declares no parameter count
+        _fail(str(exc))
+    for gib, p in plans:
         typer.echo(format_plan(p, f"{cfg.name} on a {gib:g} GiB device (bf16 weights)"))
-        found = fixes(cfg, p)
+        found = fix_summary(cfg, p)
         typer.echo(
             f"largest explore batch {p.largest_explore_batch}, largest micro-batch {p.largest_micro_batch}"
-            + (f"; fix: {'; or '.join(found)}" if found else "")
+            + (f"; fix: {found}" if found else "")
             + "\n"
         )
 

@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -296,7 +297,9 @@ def measure(
             benchmarks' depth checks); None = all.
 
     Raises:
-        ConfigError: the family's configs are neither in ``model.path`` nor shipped with solrl.
+        ConfigError: the family's configs are neither in ``model.path`` nor shipped with solrl; or the backend of
+            ``explore.precision`` cannot count its copy (``copy_bytes`` raised, or returned no int >= 0). Another
+            backend that cannot is left out of ``explore_copy``.
     """
     from peft import LoraConfig
 
@@ -319,10 +322,22 @@ def measure(
     )
     net.set_adapter("policy")
     lora = module_bytes(net) - base
-    explore_copy = {
-        name: EXPLORE_BACKENDS.get(name).copy_bytes(net, adapter.explore_skip, cfg.explore.min_dim)
-        for name in EXPLORE_BACKENDS.names()
-    }
+    explore_copy = {}
+    for name in EXPLORE_BACKENDS.names():
+        backend = EXPLORE_BACKENDS.get(name)
+        try:
+            counted = backend.copy_bytes(net, adapter.explore_skip, cfg.explore.min_dim)
+            if isinstance(counted, bool) or not isinstance(counted, numbers.Integral) or counted < 0:
+                raise TypeError(f"returned {counted!r}, not a number of bytes (an int >= 0)")
+        except Exception as exc:
+            if name != cfg.explore.precision:  # another precision's plug-in: not this plan's business
+                continue
+            where = f"{backend.__module__}.{getattr(backend, '__qualname__', name)}"
+            raise ConfigError(
+                f"explore.precision={name}: its backend ({where}) cannot count its copy's bytes for the memory "
+                f"plan: copy_bytes {exc.__class__.__name__}: {exc}"
+            ) from exc
+        explore_copy[name] = int(counted)
     train = [train_bytes(adapter, b, False) for b in (1, 2)]
     checkpointed = _linear(lambda b: train_bytes(adapter, b, True)[0])
     return Footprint(
@@ -501,70 +516,89 @@ def make_plan(
     )
 
 
-def fixes(cfg: Any, plan: Plan) -> list[str]:
-    """What would make ``plan`` fit on its device, each checked against the same measurement: gradient
+def fixes(cfg: Any, plan: Plan) -> list[tuple[str, frozenset[str]]]:
+    """What would make stages of ``plan`` fit on its device, each checked against the same measurement, with the
+    stages over the device that it alone makes fit (a setting that makes none fit is not offered): gradient
     checkpointing, FSDP over the update's processes (or over 2, 4 or 8 GPUs), a smaller micro-batch or explore
     batch, the explore copy off the GPU outside explore (``explore.keep_copy=host``), rewards freed between
     stages."""
     over = {s.stage for s in plan.over()}
-    found: list[str] = []
+    found: list[tuple[str, frozenset[str]]] = []
 
-    def update_fits(trial: Plan) -> bool:
-        return not {"update", "update load"} & {s.stage for s in trial.over()}
+    def trial(config: Any = None, **layout: Any) -> frozenset[str]:
+        """The stages over the device that fit with ``config`` (default ``cfg``) and ``layout``; none where that
+        puts another stage over it (FSDP's loading of the whole pipeline, say)."""
+        layout = {"parallel": plan.parallel, "processes": plan.processes, "checkpointing": plan.checkpointing} | layout
+        still = {s.stage for s in make_plan(config or cfg, plan.footprint, plan.device_bytes, **layout).over()}
+        return frozenset() if still - over else frozenset(over - still)
+
+    def offer(fix: str, fitted: frozenset[str]) -> None:
+        if fitted:
+            found.append((fix, fitted))
 
     if over & {"update", "update load"}:
-        if not plan.checkpointing and update_fits(
-            make_plan(cfg, plan.footprint, plan.device_bytes, checkpointing=True)
-        ):
-            found.append("train.gradient_checkpointing=true")
+        if not plan.checkpointing:
+            offer("train.gradient_checkpointing=true", trial(checkpointing=True))
         if plan.parallel != "fsdp" or plan.processes == 1:
-            for processes in sorted({plan.processes, 2, 4, 8} - {1}):
-                for checkpointing in sorted({plan.checkpointing, True}):
-                    trial = make_plan(
-                        cfg,
-                        plan.footprint,
-                        plan.device_bytes,
-                        parallel="fsdp",
-                        processes=processes,
-                        checkpointing=checkpointing,
-                    )
-                    if update_fits(trial):
-                        found.append(
-                            f"train.parallel=fsdp over {processes} GPUs (train.nproc_per_node={processes}, or "
-                            f"train.launcher=ray with train.workers={processes})"
-                            + (
-                                " with train.gradient_checkpointing=true"
-                                if checkpointing and not plan.checkpointing
-                                else ""
-                            )
-                        )
-                        break
-                else:
+            for processes, checkpointing in (
+                (p, c) for p in sorted({plan.processes, 2, 4, 8} - {1}) for c in sorted({plan.checkpointing, True})
+            ):
+                fitted = trial(parallel="fsdp", processes=processes, checkpointing=checkpointing)
+                if not fitted & {"update", "update load"}:
                     continue
+                offer(
+                    f"train.parallel=fsdp over {processes} GPUs (train.nproc_per_node={processes}, or "
+                    f"train.launcher=ray with train.workers={processes})"
+                    + (" with train.gradient_checkpointing=true" if checkpointing and not plan.checkpointing else ""),
+                    fitted,
+                )
                 break
         if plan.largest_micro_batch >= 1 and "update" in over:
-            found.append(f"train.micro_batch={plan.largest_micro_batch}")
-    if (
-        over - {"explore"}
-        and cfg.explore.keep_copy == "device"
-        and plan.footprint.explore_copy.get(cfg.explore.precision, 0)
-    ):
+            smaller = cfg.train.model_copy(update={"micro_batch": plan.largest_micro_batch})
+            offer(f"train.micro_batch={plan.largest_micro_batch}", trial(cfg.model_copy(update={"train": smaller})))
+    if cfg.explore.keep_copy == "device" and plan.footprint.explore_copy.get(cfg.explore.precision, 0):
         hosted = cfg.model_copy(update={"explore": cfg.explore.model_copy(update={"keep_copy": "host"})})
-        trial = make_plan(
-            hosted,
-            plan.footprint,
-            plan.device_bytes,
-            parallel=plan.parallel,
-            processes=plan.processes,
-            checkpointing=plan.checkpointing,
-        )
-        if not ({s.stage for s in trial.over()} & (over - {"explore"})):
-            found.append("explore.keep_copy=host (the explore copy off the GPU outside explore)")
+        offer("explore.keep_copy=host (the explore copy off the GPU outside explore)", trial(hosted))
     if over & {"explore", "regenerate"} and plan.largest_explore_batch >= 1:
-        found.append(f"explore.batch_size and regenerate.batch_size at most {plan.largest_explore_batch}")
+        batch = plan.largest_explore_batch
+        smaller = cfg.model_copy(
+            update={
+                "explore": cfg.explore.model_copy(update={"batch_size": min(batch, cfg.explore.batch_size)}),
+                "regenerate": cfg.regenerate.model_copy(update={"batch_size": min(batch, cfg.regenerate.batch_size)}),
+            }
+        )
+        offer(f"explore.batch_size and regenerate.batch_size at most {batch}", trial(smaller))
     if rewards_bytes(cfg)[0] and over:
-        found.append("keep_loaded: false under reward.models.<name> (the rewards freed between stages)")
+        models = {
+            name: {**cfg.reward.models.get(name, {}), "keep_loaded": False}
+            for name in {*cfg.reward.weights, *cfg.reward.evaluate}
+        }
+        freed = cfg.model_copy(update={"reward": cfg.reward.model_copy(update={"models": models})})
+        offer("keep_loaded: false under reward.models.<name> (the rewards freed between stages)", trial(freed))
     return found
+
+
+def fix_summary(cfg: Any, plan: Plan) -> str:
+    """``fixes`` as one sentence, grouped by the stages each makes fit (``to fit update: A, or B; to fit explore
+    and regenerate: C``), then the stages that no single setting makes fit; "" when the plan fits."""
+    order = [s.stage for s in plan.over()]
+    if not order:
+        return ""
+    groups: dict[frozenset[str], list[str]] = {}
+    for fix, fitted in fixes(cfg, plan):
+        groups.setdefault(fitted, []).append(fix)
+
+    def named(stages: Iterable[str]) -> str:
+        names = [s for s in order if s in set(stages)]
+        return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+    parts = [f"to fit {named(stages)}: {', or '.join(found)}" for stages, found in groups.items()]
+    if unfitted := [s for s in order if not any(s in stages for stages in groups)]:
+        parts.append(
+            f"no single setting fits {named(unfitted)}"
+            + (": a larger device, or several of the above together" if parts else ": a larger device")
+        )
+    return "; ".join(parts)
 
 
 def format_plan(plan: Plan, title: str = "") -> str:
@@ -657,13 +691,37 @@ def _cache_key(cfg: Any, dtype: torch.dtype) -> str:
     except ConfigError:
         stamp = 0
     model = without_unhashed("model", cfg.model.model_dump(mode="json", exclude={"device"}))
-    payload = [model, cfg.explore.min_dim, str(dtype), stamp, 2]
+    payload = [model, cfg.explore.min_dim, str(dtype), stamp, _backend_stamps(), 3]
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def _backend_stamps() -> list[list[str | int]]:
+    """Each registered explore backend that is not solrl's own (a plug-in: its copy's bytes are its own code's)
+    with its module and its source file's time, so a plan cached before a plug-in was loaded or changed is not
+    taken for its."""
+    import inspect
+    import sys
+
+    from solrl.registry import EXPLORE_BACKENDS
+
+    stamps: list[list[str | int]] = []
+    for name in EXPLORE_BACKENDS.names():
+        if name in EXPLORE_BACKENDS.index():  # built in: the cache's version stamps it
+            continue
+        backend = EXPLORE_BACKENDS.get(name)
+        module = getattr(backend, "__module__", "")
+        try:
+            stamp = Path(inspect.getfile(sys.modules[module])).stat().st_mtime_ns
+        except (KeyError, TypeError, OSError):
+            stamp = 0
+        stamps.append([name, f"{module}.{getattr(backend, '__qualname__', '')}", stamp])
+    return stamps
 
 
 def cached_measure(cfg: Any, dtype: torch.dtype) -> Footprint:
     """``measure`` through a cache in the solrl cache folder (``plans/``), keyed by the model config, the explore
-    copy's ``min_dim``, the dtype and the transformer config file's time: a resumed or repeated run plans at once."""
+    copy's ``min_dim``, the dtype, the transformer config file's time and the plug-in explore backends: a resumed or
+    repeated run plans at once."""
     import os
     import tempfile
 
@@ -674,7 +732,8 @@ def cached_measure(cfg: Any, dtype: torch.dtype) -> Footprint:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
         data = {**data, **{k: Linear(**data[k]) for k in ("train", "train_checkpointed", "saved", "sample", "decode")}}
-        return Footprint(**data)
+        if cfg.explore.precision in data["explore_copy"]:  # else measured with another precision's plan
+            return Footprint(**data)
     except (OSError, ValueError, TypeError, KeyError):
         pass
     footprint = measure(cfg, weights_dtype=dtype)
@@ -728,12 +787,10 @@ def check_memory(cfg: Any, *, force: bool | None = None) -> str:
         + ")"
         for s in over
     )
-    found = fixes(cfg, plan)
     message = (
         f"the memory plan does not fit {device}: {size(usable)} usable of {size(device_bytes)} "
-        f"({RESERVE_FRACTION:.0%} kept free); {detail}. "
-        + (f"Fix: {'; or '.join(found)}" if found else "No setting of this layout fits: a larger device")
-        + ". `solrl plan` prints the table; --force runs anyway."
+        f"({RESERVE_FRACTION:.0%} kept free); {detail}. Fix: {fix_summary(cfg, plan)}. `solrl plan` prints the "
+        "table; --force runs anyway."
     )
     if force:
         return f"memory plan: forced past: {message}"

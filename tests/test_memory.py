@@ -124,7 +124,8 @@ def test_the_explore_copy_is_resident_outside_explore_only_with_keep_copy_device
     assert not make_plan(trial("host"), footprint, device).over()
     plan = make_plan(trial("device"), footprint, device)
     assert "regenerate" in {s.stage for s in plan.over()}
-    assert "explore.keep_copy=host (the explore copy off the GPU outside explore)" in fixes(trial("device"), plan)
+    found = dict(fixes(trial("device"), plan))
+    assert "regenerate" in found["explore.keep_copy=host (the explore copy off the GPU outside explore)"]
 
 
 def test_fsdp_shards_the_update_over_its_processes_after_loading_the_whole_base(digits_footprint):
@@ -146,10 +147,15 @@ def test_a_plan_over_the_device_refuses_with_the_numbers_and_the_fix(digits_foot
         check_memory(cfg)
     message = str(err.value)
     assert "update needs" in message and "activations" in message and "9.5 MiB usable of 10.2 MiB" in message
-    assert "train.gradient_checkpointing=true" in message or "train.micro_batch=" in message
+    assert "Fix: to fit update: " in message and "train.micro_batch=" in message
     # Sharding the update over 8 processes with checkpointing brings its activations and state under the device.
     assert "train.parallel=fsdp over 8 GPUs (train.nproc_per_node=8" in message
     assert "--force" in message
+    # A device the policy alone does not fit: no setting is offered as a fix (a breaker's finding: keep_loaded
+    # false was offered, and fitted nothing).
+    monkeypatch.setenv(DEVICE_MEMORY_ENV, "0.001")
+    with pytest.raises(MemoryPlanError, match="Fix: no single setting fits explore, score, regenerate and update: a "):
+        check_memory(cfg)
     assert "forced past" in check_memory(cfg, force=True)
     monkeypatch.delenv(DEVICE_MEMORY_ENV)
     assert "not checked" in check_memory(cfg)  # on CPU it reports only
@@ -280,3 +286,63 @@ def test_every_registered_reward_declares_the_parameters_the_plan_counts(tmp_pat
         assert rewards_bytes(on_cpu) == (0, 0)  # nothing of it on the device
     finally:
         REWARDS._entries.pop("undeclared-judge", None)
+
+
+def test_a_plug_in_explore_backend_is_planned_with_its_own_copy_and_cannot_break_another_plan(tmp_path, monkeypatch):
+    """A breaker's findings: a plan cached before a plug-in backend was loaded counted its copy as 0 bytes; a
+    plug-in whose copy_bytes raised broke every precision's plan; a negative count was taken; the "cannot run
+    here" message listed a plug-in that says it cannot."""
+    from solrl.config import ConfigError
+    from solrl.registry import EXPLORE_BACKENDS
+    from solrl.stages.memory import cached_measure
+    from solrl.stages.quant.availability import check_precision, runnable_precisions
+    from solrl.stages.quant.backends import BF16
+
+    class Counted(BF16):
+        name = "test-counted"
+
+        @classmethod
+        def copy_bytes(cls, transformer, skip=(), min_dim=0):
+            return 12345
+
+    class Broken(BF16):
+        name = "test-broken"
+
+        @classmethod
+        def copy_bytes(cls, transformer, skip=(), min_dim=0):
+            raise RuntimeError("boom")
+
+        @classmethod
+        def unavailable_reason(cls):
+            return "needs a test rig"
+
+    class Negative(Counted):
+        name = "test-negative"
+
+        @classmethod
+        def copy_bytes(cls, transformer, skip=(), min_dim=0):
+            return -5
+
+    def exploring(precision):
+        return cfg.model_copy(update={"explore": cfg.explore.model_copy(update={"precision": precision})})
+
+    monkeypatch.setenv("SOLRL_CACHE", str(tmp_path / "cache"))
+    cfg = tiny_config(tmp_path)
+    nvfp4 = cached_measure(cfg, torch.bfloat16).explore_copy["nvfp4_emulated"]  # cached before the plug-ins
+    for backend in (Counted, Broken, Negative):
+        EXPLORE_BACKENDS.register(backend.name)(backend)
+    try:
+        assert cached_measure(exploring("test-counted"), torch.bfloat16).explore_copy["test-counted"] == 12345
+        assert cached_measure(cfg, torch.bfloat16).explore_copy["nvfp4_emulated"] == nvfp4  # not this plan's
+        with pytest.raises(
+            ConfigError, match=r"test-broken: its backend \(.*Broken\) cannot count .*RuntimeError: boom"
+        ):
+            cached_measure(exploring("test-broken"), torch.bfloat16)
+        with pytest.raises(ConfigError, match=r"copy_bytes TypeError: returned -5, not a number of bytes"):
+            cached_measure(exploring("test-negative"), torch.bfloat16)
+        assert "test-counted" in runnable_precisions() and "test-broken" not in runnable_precisions()
+        with pytest.raises(ValueError, match=r"test-broken cannot run here: needs a test rig; this machine runs: "):
+            check_precision("test-broken")
+    finally:
+        for backend in (Counted, Broken, Negative):
+            EXPLORE_BACKENDS._entries.pop(backend.name, None)

@@ -72,16 +72,19 @@ def unavailable_reason(precision: str) -> str | None:
 
 
 def runnable_precisions() -> list[str]:
-    """Every registered explore precision this machine can run."""
+    """Every registered explore precision this machine can run (each backend's own ``unavailable_reason``: a
+    plug-in's answer, not only the built-in table)."""
     from solrl.registry import EXPLORE_BACKENDS
 
-    return [p for p in EXPLORE_BACKENDS.names() if unavailable_reason(p) is None]
+    return [p for p in EXPLORE_BACKENDS.names() if EXPLORE_BACKENDS.get(p).unavailable_reason() is None]
 
 
 def check_precision(precision: str) -> None:
     """Raises ValueError naming the runnable backends when ``precision`` cannot run here (the message is the
     one-line error ``solrl run`` and ``solrl resume`` print)."""
-    reason = unavailable_reason(precision)
+    from solrl.registry import EXPLORE_BACKENDS
+
+    reason = EXPLORE_BACKENDS.get(precision).unavailable_reason()
     if reason is not None:
         raise ValueError(
             f"explore.precision={precision} cannot run here: {reason}; this machine runs: "
