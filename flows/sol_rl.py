@@ -61,8 +61,14 @@ _ARTIFACTS = {
 def _worth_retrying(task, task_run, state) -> bool:
     """Prefect's ``retry_condition_fn`` of the stage and shard tasks: a stage that failed because a disk is full
     (``solrl.processes.disk_full``) is not run again 2 s later on a disk as full (an update of hours, for
-    nothing): the campaign fails at once, and ``solrl run`` says where space is short."""
+    nothing): the campaign fails at once, and ``solrl run`` says where space is short. Nor is one that failed on
+    what its inputs determine: a reward's unusable scores (``RewardError``), NaN samples (``NonFiniteSamples``)."""
+    from solrl.stages.rewards.base import RewardError
+    from solrl.stages.sampling.rollout import NonFiniteSamples
+
     error = state.data
+    if isinstance(error, RewardError | NonFiniteSamples):
+        return False
     return not (isinstance(error, BaseException) and disk_full(error) is not None)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -151,6 +152,38 @@ def train_policy(
         return _train(ctx, out, policy, samples, rewards, stats, start, rank, world)
 
 
+def _checked_terms(
+    name: str, result: Any, step: int, t_index: int
+) -> tuple[torch.Tensor | None, dict[str, float], float]:
+    """A loss's ``terms`` return value (``PolicyLoss.terms``) checked before backward, so that a plug-in's mistake
+    is named as the loss's, not as a diverged policy or a bare autograd error.
+
+    Raises:
+        TypeError: not (scalar loss tensor with grad or None, dict of numbers, number).
+        FloatingPointError: the loss is NaN or inf.
+    """
+    where = f"train.loss={name}: terms() at optimizer step {step + 1}, timestep index {t_index}"
+    if not (isinstance(result, tuple) and len(result) == 3):
+        raise TypeError(f"{where} returned {type(result).__name__}, not (loss, terms, on-policy deviation)")
+    loss, terms, deviation = result
+    if loss is not None:
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise TypeError(f"{where} returned a loss of {shape}, not a scalar tensor")
+        if not loss.requires_grad:
+            raise TypeError(f"{where} returned a loss with no gradient (detached, or computed under no_grad)")
+        if not torch.isfinite(loss.detach()).all():
+            raise FloatingPointError(
+                f"{where} returned loss {loss.item()}: the policy diverged (lower train.lr, check the rewards) or "
+                "the loss computes it wrongly"
+            )
+    if not isinstance(terms, dict) or not all(isinstance(v, int | float) for v in terms.values()):
+        raise TypeError(f"{where} returned terms {str(terms)[:100]}, not a dict of numbers")
+    if not isinstance(deviation, int | float):
+        raise TypeError(f"{where} returned on-policy deviation {str(deviation)[:100]}, not a number")
+    return loss, terms, float(deviation)
+
+
 @contextmanager
 def _checkpointing(policy: Policy, enabled: bool) -> Iterator[None]:
     """Gradient checkpointing of the policy's transformer for the duration (the loaded policy is reused by the
@@ -213,7 +246,9 @@ def _train(
                     # FSDP gathers each block in every process at once: a process with no row of this micro-batch
                     # still runs the forwards and backward, on the micro-batch's first row at weight 0.
                     part = slice(mb.start, mb.start + 1)
-                loss, terms, deviation = loss_fn.terms(policy, batch, t_index, mb, g, ctx.cfg, part)
+                loss, terms, deviation = _checked_terms(
+                    ctx.cfg.train.loss, loss_fn.terms(policy, batch, t_index, mb, g, ctx.cfg, part), step, t_index
+                )
                 if loss is None:  # no row of this micro-batch is this process's
                     continue
                 if not rows:  # before any update in this iteration

@@ -386,3 +386,30 @@ def test_every_registered_reward_benchmarks_itself_or_says_why(tmp_path: Path):
     for name in ("jpeg_compressibility", "digit_alignment", "ocr"):
         assert float(rows[name].split(" | ")[1]) > 0, rows[name]
     assert "not measured: its BLIP loads bert-base-uncased from the Hugging Face hub" in rows["imagereward"]
+
+
+@pytest.mark.parametrize(
+    ("returned", "match"),
+    [
+        (lambda n: ["high"] * n, r"reward 'returns' returned \"\['high', .*not numbers \(could not convert"),
+        (lambda n: {"score": 1.0}, r"returned .*not numbers \(float\(\) argument must be"),
+        (lambda n: 0.5, r"reward 'returns' returned 1 values for a batch of 2 images"),
+        (lambda n: np.ones((n, 2)), r"reward 'returns' returned 4 values for a batch of 2 images"),
+        (lambda n: np.full(n, 1e40), r"reward 'returns' returned 1e\+40, beyond float32's range"),
+    ],
+)
+def test_what_a_reward_returns_is_checked_batch_by_batch_and_blamed_on_it(returned, match):
+    """A breaker's findings: strings or a dict were a bare 'could not convert string to float'; one number a batch
+    was 'returned shape (3,), expected (80,)'; 1e40 was 'returned inf'."""
+    from solrl.stages.rewards.base import Reward, RewardError, RewardOptions, checked
+
+    class Returns(Reward):
+        name = "returns"
+
+        def _score(self, images, prompts, metadata):
+            return returned(len(images))
+
+    reward = Returns(RewardOptions(batch_size=2))
+    with pytest.raises(RewardError, match=match):
+        checked(reward, np.zeros((4, 8, 8, 3), np.uint8), ["a"] * 4)
+    assert reward._values(torch.tensor([1.0, 2.0], dtype=torch.float64), 2).dtype == np.float32

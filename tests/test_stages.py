@@ -193,6 +193,36 @@ def test_a_stage_whose_upstream_is_missing_refuses_to_run(iteration_one):
     assert not stage_dir(ctx.run_dir, 5, "select").exists()
 
 
+def test_samples_that_come_out_nan_stop_the_stage_and_are_not_retried(tmp_path, monkeypatch):
+    """A breaker's finding: an explore backend whose samples were NaN had its pool committed, scored, ranked and
+    trained on, exit 0. The stage now stops on them, commits nothing, and the flow does not retry it."""
+    from types import SimpleNamespace
+
+    from conftest import tiny_config
+
+    from solrl.flows.sol_rl import _worth_retrying
+    from solrl.stages.models.tiny_digits import TinyDigits
+    from solrl.stages.sampling.rollout import NonFiniteSamples
+    from solrl.storage.stage import read_manifest
+
+    real = TinyDigits.velocity
+
+    def diverging(self, net, x, sigma, cond):
+        v = real(self, net, x, sigma, cond)
+        v[1] = float("nan")  # the second sample of every batch diverges
+        return v
+
+    monkeypatch.setattr(TinyDigits, "velocity", diverging)
+    cfg = tiny_config(tmp_path, "explore.precision=bf16")  # NVFP4's quantizer already refuses a NaN activation
+    run = create_run(cfg, "diverged")
+    ctx = StageContext(cfg, run.run_dir, run.run_id, 1)
+    with pytest.raises(NonFiniteSamples, match=r"explore bf16: 1 of \d+ samples in a batch came out NaN"):
+        run_stage(ctx, "explore")
+    assert read_manifest(run.run_dir, 1, "explore") is None
+    assert not _worth_retrying(None, None, SimpleNamespace(data=NonFiniteSamples("x")))
+    assert _worth_retrying(None, None, SimpleNamespace(data=RuntimeError("CUDA error: an illegal memory access")))
+
+
 def test_rerunning_a_committed_stage_is_a_skip(iteration_one):
     ctx, manifests = iteration_one
     again, skipped = run_stage(ctx, "select")
@@ -484,3 +514,28 @@ def test_each_stage_says_when_it_is_due():
     for iterations, every, evaluated in ((3, 2, [0, 2, 3]), (2, 5, [0, 2]), (1, 1, [0, 1])):
         cfg = load_config("tiny-digits", [f"campaign.iterations={iterations}", f"campaign.eval_every={every}"])
         assert [i for i, stages in campaign_plan(cfg) if "evaluate" in stages] == evaluated
+
+
+def test_what_a_loss_returns_is_checked_before_backward_and_blamed_on_it():
+    """A breaker's findings: a loss plug-in returning NaN was reported as a non-finite grad norm ('lower
+    train.lr'); a detached, non-scalar or None-terms return was a bare autograd or attribute error."""
+    from solrl.stages.update import _checked_terms
+
+    w = torch.ones(3, requires_grad=True)
+    good = (w.sum(), {"kl": 0.5}, 0.0)
+    assert _checked_terms("mine", good, 0, 2) == good and _checked_terms("mine", (None, {}, 0), 0, 2)[0] is None
+    for returned, match in (
+        (
+            (w * float("nan")).sum(),
+            r"train.loss=mine: terms\(\) at optimizer step 4, timestep index 2 returned loss nan",
+        ),
+        (w * 2, r"returned a loss of \(3,\), not a scalar tensor"),
+        (w.sum().detach(), r"returned a loss with no gradient"),
+        (1.0, r"returned a loss of float, not a scalar tensor"),
+    ):
+        with pytest.raises((TypeError, FloatingPointError), match=match):
+            _checked_terms("mine", (returned, {}, 0.0), 3, 2)
+    with pytest.raises(TypeError, match=r"returned terms None, not a dict of numbers"):
+        _checked_terms("mine", (w.sum(), None, 0.0), 0, 2)
+    with pytest.raises(TypeError, match=r"returned tuple, not \(loss, terms, on-policy deviation\)"):
+        _checked_terms("mine", (w.sum(), {}), 0, 2)

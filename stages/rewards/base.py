@@ -175,6 +175,28 @@ class Reward:
         size = (group_size or count) if self.inputs == "group" else self.options.batch_size
         return [slice(start, start + size) for start in range(0, count, max(size, 1))]
 
+    def _values(self, values: Any, count: int) -> np.ndarray:
+        """What ``_score`` returned for a batch of ``count`` images as float32 ``[count]``.
+
+        Raises:
+            RewardError: not numbers, not one per image, or beyond float32's range (which would read as inf).
+        """
+        if isinstance(values, torch.Tensor):
+            values = values.detach().double().cpu().numpy()
+        try:
+            found = np.asarray(values, dtype=np.float64).reshape(-1)
+        except (TypeError, ValueError) as exc:
+            raise RewardError(
+                f"reward {self.name!r} returned {str(values)[:80]!r}, not numbers ({exc}); _score returns one float "
+                "per image (or Scores)"
+            ) from None
+        if found.shape != (count,):
+            raise RewardError(f"reward {self.name!r} returned {found.size} values for a batch of {count} images")
+        huge = found[np.isfinite(found) & (np.abs(found) > np.finfo(np.float32).max)]
+        if huge.size:
+            raise RewardError(f"reward {self.name!r} returned {huge[0]:g}, beyond float32's range (3.4e38)")
+        return found.astype(np.float32)
+
     def score(
         self, images: np.ndarray, prompts: Sequence[str], metadata: Metadata = None, group_size: int | None = None
     ) -> Scores:
@@ -187,6 +209,7 @@ class Reward:
             ValueError: images are not uint8 ``[B, H, W, 3]`` (or ``[B, F, H, W, 3]`` where the reward takes
                 videos), prompts or metadata do not match them (``check_alignment``), images are not whole groups,
                 or the reward returned a column it does not declare in ``columns``.
+            RewardError: the reward did not return one number per image (``_values``).
         """
         images = np.asarray(images)
         takes_video = self.inputs != "image"
@@ -206,9 +229,7 @@ class Reward:
                 )
                 if not isinstance(scored, Scores):
                     scored = Scores(scored)
-                if isinstance(scored.values, torch.Tensor):
-                    scored.values = scored.values.detach().float().cpu().numpy()
-                scored.values = np.asarray(scored.values, dtype=np.float32).reshape(-1)
+                scored.values = self._values(scored.values, len(range(len(images))[batch]))
                 undeclared = sorted(set(scored.columns) - set(self.columns))
                 if undeclared:
                     raise ValueError(f"reward {self.name} returned columns {undeclared} it does not declare")

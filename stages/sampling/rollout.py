@@ -14,6 +14,11 @@ from solrl.stages.models.adapter import Conditioning, compute_precision
 from solrl.stages.sampling.samplers import Trajectory, batched, initial_noise, sample_ode_with, sample_sde, seed_noise
 
 
+class NonFiniteSamples(ValueError):
+    """Sampling gave NaN or inf latents: the stage stops and commits nothing (a pool of them would be scored,
+    ranked and trained on as if it were images)."""
+
+
 @torch.no_grad()
 def generate(
     model: ModelAdapter,
@@ -37,6 +42,9 @@ def generate(
     Returns:
         the trajectories on the CPU (``latents[:, -1]``: the samples, float32 ``[B, C, h, w]``); for the ODE
         only the first and last latents are kept (``latents [B, 2, C, h, w]``, no log-probs).
+
+    Raises:
+        NonFiniteSamples: a sample's final latents hold NaN or inf (named by ``desc``, its seed and prompt).
     """
     if len(prompts) != len(seeds):
         raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
@@ -53,17 +61,22 @@ def generate(
         if noise_level > 0:
             noise = seed_noise(seeds[chunk], model.latent_shape, steps + 1, model.device)
             traj = sample_sde(velocity, noise, sigmas, noise_level, sde_window)
-            parts.append(Trajectory(traj.latents.cpu(), traj.log_probs.cpu(), traj.sde))
+            part = Trajectory(traj.latents.cpu(), traj.log_probs.cpu(), traj.sde)
         else:
             noise = initial_noise(seeds[chunk], model.latent_shape, model.device)
             final = sample_ode_with(model.solver)(velocity, noise, sigmas)
-            parts.append(
-                Trajectory(
-                    torch.stack([noise, final], 1).cpu(),
-                    torch.zeros(len(final), 0),
-                    torch.zeros(steps, dtype=torch.bool),
-                )
+            part = Trajectory(
+                torch.stack([noise, final], 1).cpu(), torch.zeros(len(final), 0), torch.zeros(steps, dtype=torch.bool)
             )
+        finite = torch.isfinite(part.samples.flatten(1)).all(1)
+        if not finite.all():
+            bad = [chunk.start + int(i) for i in torch.nonzero(~finite).flatten()]
+            raise NonFiniteSamples(
+                f"{desc}: {len(bad)} of {len(finite)} samples in a batch came out NaN or inf (first: seed "
+                f"{seeds[bad[0]]}, prompt {prompts[bad[0]]!r}); nothing is committed. The network sampling them "
+                "diverged: a low-precision backend (explore.precision) or the policy's weights"
+            )
+        parts.append(part)
     return Trajectory(torch.cat([p.latents for p in parts]), torch.cat([p.log_probs for p in parts]), parts[0].sde)
 
 
