@@ -23,6 +23,7 @@ import json
 import os
 import re
 import shlex
+import typing
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
@@ -63,12 +64,35 @@ class _Section(BaseModel):
         ):
             return value
         items = value.values() if isinstance(value, dict) else value if isinstance(value, list | tuple) else [value]
-        if any(isinstance(item, bool) for item in items):
+        if not any(isinstance(item, bool) for item in items):
+            return value
+        if _takes_numbers(field.annotation):
             raise ValueError(
                 f"expected a number but got {value!r}: YAML reads true/false/yes/no/on/off as "
                 f"booleans; write a number (or null where the key allows it)"
             )
-        return value
+        choices = _literal_choices(field.annotation)
+        raise ValueError(
+            f"expected a name but got {value!r}: YAML reads true/false/yes/no/on/off as booleans; put the word in "
+            "quotes" + (f" (one of {', '.join(map(repr, choices))})" if choices else "")
+        )
+
+
+def _takes_numbers(annotation: Any) -> bool:
+    """Whether a field's type holds an int or a float anywhere (``int | None``, ``tuple[int, int]``,
+    ``dict[str, float]``); a ``Literal``'s values are not types."""
+    if annotation in (int, float):
+        return True
+    if typing.get_origin(annotation) is Literal:
+        return False
+    return any(_takes_numbers(arg) for arg in typing.get_args(annotation))
+
+
+def _literal_choices(annotation: Any) -> list[Any]:
+    """The values of the ``Literal`` in a field's type (``Literal['warn', 'stop'] | None``), else []."""
+    if typing.get_origin(annotation) is Literal:
+        return list(typing.get_args(annotation))
+    return [choice for arg in typing.get_args(annotation) for choice in _literal_choices(arg)]
 
 
 #: The base of a config section and of a plug-in's options model: unknown keys refused, frozen, no NaN or inf, and
@@ -463,8 +487,8 @@ class CampaignConfig(_Section):
     )
     prompts_file: str = Field(
         default_factory=lambda: _preset_default("campaign", "prompts_file"),
-        description="Plain text (one prompt a line) or JSONL (a prompt and its metadata a line); relative to "
-        "the preset.",
+        description="Plain text (one prompt a line) or JSONL (a prompt and its metadata a line); a relative path "
+        "is the preset's (beside it, else shipped with solrl), or, given with --set, first the current folder's.",
     )
     eval_prompts_file: str | None = Field(
         default_factory=lambda: _preset_default("campaign", "eval_prompts_file"),
@@ -950,6 +974,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[Any] = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: merged below, its keys overridable
+                continue
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
                 raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
@@ -980,7 +1006,7 @@ def _read_preset(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
     except yaml.YAMLError as exc:
         line = getattr(getattr(exc, "problem_mark", None), "line", None)
         where = f" at line {line + 1}" if line is not None else ""
-        problem = f": {exc.problem}" if str(getattr(exc, "problem", "")).startswith("duplicate key") else ""
+        problem = f": {exc.problem}" if getattr(exc, "problem", None) else ""
         raise ConfigError(f"config {str(path)!r} is not valid YAML{where}{problem}") from exc
     if data is None:  # empty, or only comments: a file cut short or the wrong one, not a wish for the defaults
         raise ConfigError(
@@ -1037,6 +1063,11 @@ def load_config(
     data = _read_preset(path)
     for item in overrides or []:
         keys, value = _parse_override(item)
+        if keys in (["campaign", "prompts_file"], ["campaign", "eval_prompts_file"]) and isinstance(value, str):
+            # A file named on the command line is first the one it names from here (then the preset's, shipped).
+            here = Path(value).expanduser()
+            if not here.is_absolute() and here.exists():
+                value = str(here.resolve())
         _apply_override(data, keys, value, item)
     data["base_dir"] = str(path.resolve().parent)
     return validate_config(data, plugins=plugins)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,13 +38,19 @@ class PromptSet:
         return any(self.metadata)
 
 
+#: Suffixes (any case) of JSON Lines prompt files; any other file is plain text.
+JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
+
+
 def read_prompt_set(path: Path, field: str) -> PromptSet:
-    """Read ``path``: ``.jsonl`` (one JSON object with a ``prompt`` a line) or plain text (one prompt a line);
-    blank lines and ``#`` comments skipped in both.
+    """Read ``path``: JSON Lines (``JSONL_SUFFIXES``: one JSON object with a ``prompt`` a line) or plain text (one
+    prompt a line); blank lines and ``#`` comments skipped in both. Lines end at ``\n``, ``\r\n`` or ``\r`` only:
+    a Unicode line or paragraph separator, a form feed inside a prompt stays in it.
 
     Raises:
         PromptFileError: missing, unreadable or not UTF-8; a JSONL line that is not an object with a non-empty
-            ``prompt`` string; no prompt at all.
+            ``prompt`` string; a plain-text file whose first line is such an object (JSON Lines under another
+            name); no prompt at all.
     """
     try:
         text = path.read_text(encoding="utf-8-sig")  # a byte-order mark (Windows editors) is not the prompt's
@@ -52,21 +59,36 @@ def read_prompt_set(path: Path, field: str) -> PromptSet:
             f"{field}: cannot read prompt file {str(path)!r} ({exc.__class__.__name__}: {exc})"
         ) from exc
     lines = [
-        (n, ln.strip()) for n, ln in enumerate(text.splitlines(), 1) if ln.strip() and not ln.lstrip().startswith("#")
+        (n, ln.strip())
+        for n, ln in enumerate(re.split(r"\r\n|\r|\n", text), 1)
+        if ln.strip() and not ln.lstrip().startswith("#")
     ]
-    if path.suffix == ".jsonl":
+    if path.suffix.lower() in JSONL_SUFFIXES:
         prompts, metadata = [], []
         for number, line in lines:
             try:
                 item = json.loads(line)
             except json.JSONDecodeError:
-                raise PromptFileError(f"{field}: {str(path)!r} line {number} is not JSON") from None
+                raise PromptFileError(
+                    f"{field}: {str(path)!r} line {number} is not JSON (a {path.suffix} prompt file is JSON Lines: "
+                    'one {"prompt": ...} object a line)'
+                ) from None
             if not isinstance(item, dict) or not isinstance(item.get("prompt"), str) or not item["prompt"].strip():
                 raise PromptFileError(f'{field}: {str(path)!r} line {number} has no "prompt" string')
             prompts.append(item.pop("prompt").strip())
             metadata.append(item)
         found = PromptSet(prompts, metadata)
     else:
+        if lines and lines[0][1].startswith("{"):
+            try:
+                first = json.loads(lines[0][1])
+            except json.JSONDecodeError:
+                first = None
+            if isinstance(first, dict) and "prompt" in first:  # read as text, its metadata would be prompt text
+                raise PromptFileError(
+                    f'{field}: {str(path)!r} holds JSON Lines ({{"prompt": ...}} objects) under a name read as '
+                    f"plain text; name it {path.stem}.jsonl"
+                )
         found = PromptSet([line for _, line in lines])
     if not found.prompts:
         raise PromptFileError(f"{field}: prompt file {str(path)!r} holds no prompt; write one prompt per line")

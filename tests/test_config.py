@@ -99,6 +99,8 @@ def test_config_is_frozen_and_hash_changes_with_values():
             r"reward.weights: expected a number but got \{'digit_alignment': True\}",
         ),
         (["fidelity.min_spearman=off"], r"fidelity.min_spearman: expected a number.*or null where the key allows it"),
+        (["campaign.on_guard=off"], r"campaign.on_guard: expected a name but got False: .*quotes \(one of 'warn', 'st"),
+        (["explore.precision=off"], r"explore.precision: expected a name but got False: YAML reads .* in quotes$"),
         (
             ["train.stat_min_count=40"],
             r"train.stat_min_count=40 exceeds train.stat_buffer=32.*set train.stat_min_count <= 32",
@@ -134,7 +136,19 @@ def test_unknown_preset_lists_presets():
 def test_malformed_yaml_names_the_line(tmp_path: Path):
     path = tmp_path / "bad.yaml"
     path.write_text("explore:\n  pool_size: [1, 2\n")
-    with pytest.raises(ConfigError, match="not valid YAML at line"):
+    with pytest.raises(ConfigError, match="not valid YAML at line 3: expected ',' or ']', but got '<stream end>'"):
+        load_config(path)
+
+
+def test_yaml_merge_keys_merge_and_the_mapping_own_keys_override_them(tmp_path: Path):
+    """A breaker's finding: ``<<: *anchor`` was refused ("not valid YAML at line 5", and no reason)."""
+    path = tmp_path / "anchors.yaml"
+    path.write_text("explore: &fast {steps: 4, batch_size: 8}\nregenerate: {<<: *fast, steps: 6}\n")
+    cfg = load_config(path)
+    assert (cfg.explore.steps, cfg.explore.batch_size) == (4, 8)
+    assert (cfg.regenerate.steps, cfg.regenerate.batch_size) == (6, 8)
+    path.write_text("explore: {<<: {steps: 4}, steps: 5, steps: 6}\n")  # its own keys still given once
+    with pytest.raises(ConfigError, match="duplicate key 'steps'"):
         load_config(path)
 
 
@@ -165,6 +179,19 @@ def test_relative_prompt_files_resolve_against_the_preset(tmp_path: Path):
     (tmp_path / "run.yaml").write_text("campaign:\n  prompts_file: p.txt\n  prompts_per_iteration: 1\n")
     cfg = load_config(tmp_path / "run.yaml")
     assert cfg.train_prompts() == ["a handwritten digit four"]
+
+
+def test_a_relative_prompt_file_given_with_set_is_first_the_one_in_the_current_folder(tmp_path: Path, monkeypatch):
+    """A breaker's finding: ``--set campaign.prompts_file=mine/p.txt`` looked in the preset's folder and the
+    shipped presets only, so the file beside the user was not found (or a shipped one of that name was used)."""
+    (tmp_path / "prompts").mkdir()
+    (tmp_path / "prompts" / "tiny-digits.txt").write_text("a handwritten digit seven\n")
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(None, ["campaign.prompts_file=prompts/tiny-digits.txt", "campaign.prompts_per_iteration=1"])
+    assert cfg.campaign.prompts_file == str(tmp_path / "prompts" / "tiny-digits.txt")
+    assert cfg.train_prompts() == ["a handwritten digit seven"]
+    shipped = load_config(None, ["campaign.prompts_file=prompts/ocr.txt"])  # not here: the preset's, then shipped
+    assert shipped.campaign.prompts_file == "prompts/ocr.txt" and len(shipped.prompt_sets()[0].prompts) > 100
 
 
 def test_config_round_trips_through_json():

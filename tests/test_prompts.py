@@ -117,6 +117,27 @@ def test_a_byte_order_mark_is_not_part_of_the_first_prompt(tmp_path: Path):
     assert read_prompt_set(path, "campaign.prompts_file").prompts == ["a hand drawn zero", "a hand drawn three"]
 
 
+def test_lines_end_at_newlines_only_and_json_lines_are_read_by_any_of_their_names(tmp_path: Path):
+    """A breaker's findings: str.splitlines() also broke a prompt at U+2028, U+0085 or a form feed (10 prompts
+    read as 20), and refused valid JSONL holding one; a .json or .JSONL file was read as text, its metadata
+    stored as prompt text."""
+    text = tmp_path / "p.txt"
+    text.write_bytes("a sign reading\u2028OPEN\r\nline two\x0cstill two\rthree\n".encode())
+    assert read_prompt_set(text, "f").prompts == ["a sign reading\u2028OPEN", "line two\x0cstill two", "three"]
+    record = {"prompt": "a sign reading\u2028OPEN", "text": "OPEN"}
+    for name in ("p.jsonl", "p.JSONL", "p.json", "p.ndjson"):
+        path = tmp_path / name
+        path.write_text(json.dumps(record, ensure_ascii=False) + "\n", encoding="utf-8")
+        found = read_prompt_set(path, "f")
+        assert found.prompts == [record["prompt"]] and found.metadata == [{"text": "OPEN"}], name
+    disguised = tmp_path / "prompts.txt"
+    disguised.write_text(json.dumps(record) + "\n")
+    with pytest.raises(
+        ConfigError, match=r"holds JSON Lines .* under a name read as plain text; name it prompts.jsonl"
+    ):
+        load_config(None, [f"campaign.prompts_file={disguised}"]).prompt_sets()
+
+
 def test_a_prompt_of_megabytes_is_drawn_cut_in_the_best_worst_grid(tmp_path: Path):
     """select drew each prompt whole as its row's label, and PIL refuses text over about a million characters: a
     run with such a prompt failed at select on every resume."""

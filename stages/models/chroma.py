@@ -17,6 +17,7 @@ network, ``norm_out`` and Linear layers with ``max(in, out) <= 1000`` in high pr
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -27,6 +28,10 @@ from torch import nn
 from solrl.registry import register_model
 from solrl.stages.models.adapter import Conditioning, tiny_twin
 from solrl.stages.models.flux import Flux, TinyFlux
+
+# diffusers' own ChromaTransformer2DModel builds FluxPosEmbed from the module it deprecates, so every Chroma
+# transformer made (the plan's meta one included) warned the user of a diffusers internal they cannot change.
+warnings.filterwarnings("ignore", message="`FluxPosEmbed` is deprecated", category=FutureWarning)
 
 
 @register_model("chroma")
