@@ -335,6 +335,8 @@ def plan(
         cfg.prompt_sets()
     except ConfigError as exc:
         typer.echo(f"solrl: warning: {exc}; `solrl run` refuses this config until it is fixed", err=True)
+    for warning in cfg.prompt_warnings():
+        typer.echo(f"solrl: warning: {warning}", err=True)
     sizes = gpu or list(GPU_SIZES.values())
     try:
         plans = [(gib, make_plan(cfg, footprint, int(gib * GIB))) for gib in sizes]
@@ -377,7 +379,7 @@ def run(
             created = create_run(cfg, run_id, weights=model_family(cfg.model).weights_fingerprint(cfg.model))
         except ConfigError as exc:
             _fail(str(exc))
-        for warning in cfg.warnings():
+        for warning in [*cfg.warnings(), *cfg.prompt_warnings()]:
             typer.echo(f"solrl: warning: {warning}", err=True)
         typer.echo(
             f"run {created.run_id}: {cfg.campaign.iterations} iteration{'s' * (cfg.campaign.iterations != 1)}, "

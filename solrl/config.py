@@ -739,6 +739,22 @@ class RunConfig(_Section):
         except PromptFileError as exc:
             raise ConfigError(str(exc)) from None
 
+    def prompt_warnings(self) -> list[str]:
+        """What a user should know of the prompt files before a long run (they are read; [] where they cannot be:
+        ``prompt_sets`` says why)."""
+        try:
+            train = self.prompt_sets()[0].prompts
+        except ConfigError:
+            return []
+        count = self.campaign.prompts_per_iteration
+        if count <= len(train):
+            return []
+        return [
+            f"campaign.prompts_per_iteration={count} but the training prompts number {len(train)}: each iteration "
+            f"draws its {count} with replacement, so some come twice and some not at all; give more prompts or set "
+            f"campaign.prompts_per_iteration <= {len(train)}"
+        ]
+
     def train_prompts(self) -> list[str]:
         return self.prompt_sets()[0].prompts
 

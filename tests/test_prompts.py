@@ -150,3 +150,20 @@ def test_a_prompt_of_megabytes_is_drawn_cut_in_the_best_worst_grid(tmp_path: Pat
     short = tmp_path / "short.png"
     save_grid(images, short, row_labels=["a hand drawn zero " + "x" * (MAX_LABEL - 19), "short"])
     assert Image.open(tmp_path / "grid.png").width <= Image.open(short).width + 20
+
+
+def test_fewer_training_prompts_than_an_iteration_draws_is_said_before_the_run(tmp_path: Path):
+    """A breaker's finding: 3 prompts and 8 an iteration drew one prompt 3 times, another 5 and the third never,
+    and nothing said so."""
+    from typer.testing import CliRunner
+
+    from solrl.cli import app
+
+    path = tmp_path / "few.txt"
+    path.write_text("a handwritten digit zero\na handwritten digit one\na handwritten digit two\n")
+    overrides = [f"campaign.prompts_file={path}", f"storage.root={tmp_path / 'runs'}"]
+    (warning,) = load_config(None, overrides).prompt_warnings()
+    assert "campaign.prompts_per_iteration=8 but the training prompts number 3" in warning
+    assert load_config(None, [*overrides, "campaign.prompts_per_iteration=3"]).prompt_warnings() == []
+    planned = CliRunner().invoke(app, ["plan", *(w for o in overrides for w in ("--set", o)), "--gpu", "80"])
+    assert planned.exit_code == 0 and f"solrl: warning: {warning}" in planned.stderr, planned.output
