@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from solrl.config import ConfigError, RunConfig, load_config, validate_config
+from solrl.config import ConfigError, RunConfig, load_config, refuse_ignored_settings, validate_config
 from solrl.weights import check_published_weights
 
 if TYPE_CHECKING:
@@ -367,6 +367,7 @@ def run(
             cfg = load_config(config, set_ or [], plugins=False)  # the schema: nothing imports torch yet
             check_published_weights(cfg.model)  # so a missing download fails at once
             cfg = validate_config(cfg.model_dump(mode="json"))  # the plug-ins' own rules
+            refuse_ignored_settings(cfg)  # a new run's: a stored run resumes with what it began with
             from solrl.stages.models import model_family
             from solrl.storage.runs import check_run_id, create_run, new_run_id, open_store
 
@@ -585,6 +586,9 @@ def report(
         run_ = open_run(store, run_id)
     except ConfigError as exc:
         _fail(str(exc))
+    for option, path in (("--html", html), ("--plot", plot)):  # before the table and before either is written
+        if path is not None and not path.is_dir() and not path.parent.is_dir():
+            _fail(f"{option} {path}: its folder {path.parent} does not exist")
     if html is not None:  # checked before the table, as --plot is
         if html.is_dir():
             html = html / f"{run_id}-report.html"
@@ -737,11 +741,15 @@ def inspect(
 
     show("candidate pool: weighted reward per prompt", found.pool, f"score_explore {state_of('score_explore')}")
     if (explore := found.manifests.get("explore")) is not None and explore.pruned:
-        reasons = ", ".join(sorted(set(explore.pruned.values())))
-        gone = sorted(folder.rsplit("/", 1)[-1] for folder in explore.pruned)
+        by: dict[str, list[str]] = {}  # why -> arrays, each array with its own reason
+        for folder, why in sorted(explore.pruned.items()):
+            by.setdefault(why, []).append(folder.rsplit("/", 1)[-1])
+        gone = [name for names in by.values() for name in names]
         see = f"`{_command('show', run_id, '--iteration', iteration, '--prompt', 0, '--store', store)}`"
         console.print(
-            f"candidate pool: {' and '.join(gone)} pruned ({reasons}); "
+            "candidate pool: "
+            + "; ".join(f"{' and '.join(names)} pruned by {why}" for why, names in by.items())
+            + "; "
             + (f"its latents remain: {see} decodes them" if "latents" not in gone else "rankings above remain")
         )
     show("kept seeds", found.selection, f"select {state_of('select')}")

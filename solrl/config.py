@@ -678,13 +678,7 @@ class RunConfig(_Section):
 
         registered_family(self.model.family).for_source(self.model.source).validate_config(self)
         _registered(EXPLORE_BACKENDS, self.explore.precision, "explore.precision").validate_config(self)
-        loss = _registered(LOSSES, self.train.loss, "train.loss")
-        loss.validate_config(self)
-        if window is not None and loss.noise_level(self) == 0:
-            raise ValueError(
-                f"regenerate.sde_window={list(window)}: train.loss={self.train.loss} samples with the ODE (no SDE "
-                f"log-probs), so the window would change nothing; remove it (it applies to a loss on SDE log-probs)"
-            )
+        _registered(LOSSES, self.train.loss, "train.loss").validate_config(self)
         rewards = self.reward
         for name in rewards.weights:
             _registered(REWARDS, rewards.type_of(name), "reward.weights")
@@ -1086,7 +1080,31 @@ def load_config(
                 value = str(here.resolve())
         _apply_override(data, keys, value, item)
     data["base_dir"] = str(path.resolve().parent)
-    return validate_config(data, plugins=plugins)
+    cfg = validate_config(data, plugins=plugins)
+    if plugins:  # a new run's config (a stored one is read from run.json, never through here)
+        refuse_ignored_settings(cfg)
+    return cfg
+
+
+def refuse_ignored_settings(cfg: RunConfig) -> None:
+    """Refuse, for a new run, a setting its family or loss would ignore (it would change the config hash and
+    nothing else): the family's ``ignored_settings``, and ``regenerate.sde_window`` with a loss that samples with the
+    ODE. Not applied to a stored run, which resumes with the config it began with.
+
+    Raises:
+        ConfigError: the first such setting, naming it and the fix.
+    """
+    from solrl.registry import LOSSES
+
+    found = registered_family(cfg.model.family).for_source(cfg.model.source).ignored_settings(cfg)
+    window = cfg.regenerate.sde_window
+    if window is not None and LOSSES.get(cfg.train.loss).noise_level(cfg) == 0:
+        found.append(
+            f"regenerate.sde_window={list(window)}: train.loss={cfg.train.loss} samples with the ODE (no SDE "
+            "log-probs), so the window would change nothing; remove it (it applies to a loss on SDE log-probs)"
+        )
+    if found:
+        raise ConfigError(f"invalid config: {found[0]}")
 
 
 def changed_by(cfg: RunConfig, overrides: list[str]) -> list[str]:

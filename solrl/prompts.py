@@ -74,7 +74,10 @@ def read_prompt_set(path: Path, field: str) -> PromptSet:
                     'one {"prompt": ...} object a line)'
                 ) from None
             if not isinstance(item, dict) or not isinstance(item.get("prompt"), str) or not item["prompt"].strip():
-                raise PromptFileError(f'{field}: {str(path)!r} line {number} has no "prompt" string')
+                raise PromptFileError(
+                    f'{field}: {str(path)!r} line {number} has no "prompt" string (a {path.suffix} prompt file is '
+                    'JSON Lines: one {"prompt": ...} object a line)'
+                )
             prompts.append(item.pop("prompt").strip())
             metadata.append(item)
         found = PromptSet(prompts, metadata)

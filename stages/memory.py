@@ -574,7 +574,8 @@ def fixes(cfg: Any, plan: Plan) -> list[tuple[str, frozenset[str]]]:
             for name in {*cfg.reward.weights, *cfg.reward.evaluate}
         }
         freed = cfg.model_copy(update={"reward": cfg.reward.model_copy(update={"models": models})})
-        offer("keep_loaded: false under reward.models.<name> (the rewards freed between stages)", trial(freed))
+        kept = ", ".join(sorted(models))
+        offer(f"keep_loaded: false under reward.models.<name> for {kept} (freed between stages)", trial(freed))
     return found
 
 
@@ -594,10 +595,7 @@ def fix_summary(cfg: Any, plan: Plan) -> str:
 
     parts = [f"to fit {named(stages)}: {', or '.join(found)}" for stages, found in groups.items()]
     if unfitted := [s for s in order if not any(s in stages for stages in groups)]:
-        parts.append(
-            f"no single setting fits {named(unfitted)}"
-            + (": a larger device, or several of the above together" if parts else ": a larger device")
-        )
+        parts.append(f"no single setting fits {named(unfitted)} (a larger device does)")
     return "; ".join(parts)
 
 

@@ -248,15 +248,15 @@ def _regenerate_summary(
     ctx: StageContext, out: Path, rewards: RegeneratedRewards, samples: Samples, selection: Selection
 ) -> StageOutput:
     """The fidelity table and the metrics of the whole regenerated pool's rewards. With
-    ``regenerate.enabled=false`` the fidelity table is empty and no ``fidelity/*`` metric is logged: the samples
-    were not regenerated, so there is no BF16 ranking to compare the explore ranking with."""
+    ``regenerate.enabled=false`` the fidelity table is empty and no ``fidelity/*`` or ``regenerate/*`` metric is
+    logged: the samples were not regenerated, so there is no BF16 ranking to compare the explore ranking with."""
     P, k = samples.seeds.shape
-    bf16 = rewards.totals(samples.candidate_index)
     if not ctx.cfg.regenerate.enabled:  # the kept explore samples themselves: no second ranking to compare
         FidelityTable(pd.DataFrame({c: [] for c in FidelityTable.columns})).write(out)
-        return StageOutput(metrics=_summary("regenerate", bf16))
+        return StageOutput()  # nor regenerate/* figures: select/kept_reward_mean already is their mean
     # Paired explore rewards of the kept seeds, in the regenerated order.
     explore_kept = selection.ordered["explore_reward"].to_numpy(np.float32).reshape(P, k)
+    bf16 = rewards.totals(samples.candidate_index)
     per_group = pd.DataFrame(group_agreement(explore_kept, bf16))
     per_group.insert(0, "prompt", samples.prompts)
     per_group.insert(0, "group", np.arange(P))

@@ -191,9 +191,13 @@ def pool_view(
     """
     pool = CandidatePool.load(run_dir, iteration)
     if pool.images is None and (pool.latents is None or decode is None):
-        why = pool.pruned.get("latents") or pool.pruned.get("images", "pruning")
+        images, latents = pool.pruned.get("images", "pruning"), pool.pruned.get("latents")
+        if latents is None or latents == images:  # each array named with what pruned it
+            what = f"its images{'' if latents is None else ' and latents'} were pruned by {images}"
+        else:
+            what = f"its images were pruned by {images} and its latents by {latents}"
         raise PoolPruned(
-            f"iteration {iteration}'s candidate pool was pruned by {why}: no images"
+            f"iteration {iteration}'s candidate pool: {what}; no images"
             + ("" if pool.latents is None else " (its latents remain: decode them with the run's model)")
             + "; regenerating a seed with its checkpoint redraws it, and its rewards, ranks and kept seeds remain"
         )

@@ -184,6 +184,9 @@ def test_report_plot_paths_are_checked_before_the_table(finished: Path, tmp_path
         bad = runner.invoke(app, [*args, "--plot", str(tmp_path / plot), *extra])
         assert bad.exit_code == 2 and bad.stdout == "", bad.output
         assert bad.stderr.startswith("solrl: error: " + says.format(tmp_path / plot)), bad.stderr
+    nowhere = runner.invoke(app, [*args, "--plot", str(tmp_path / "c.png"), "--html", str(tmp_path / "no" / "r.html")])
+    assert nowhere.exit_code == 2 and nowhere.stdout == "", nowhere.output  # nothing written, no table
+    assert f"--html {tmp_path / 'no' / 'r.html'}: its folder {tmp_path / 'no'} does not exist" in nowhere.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["done-curves.png", "done-report.html"]
 
 

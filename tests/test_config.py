@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from solrl.config import ConfigError, RunConfig, list_presets, load_config, preset_dir
+from solrl.config import ConfigError, RunConfig, list_presets, load_config, preset_dir, validate_config
 from solrl.stages.runnable import check_runnable
 
 
@@ -112,8 +112,8 @@ def test_config_is_frozen_and_hash_changes_with_values():
         (["regenerate.sde_window=[0, 10]"], r"end <= regenerate.steps - 1 = 9"),
         # Settings the family or the loss ignores: refused, not taken into the config hash.
         (["regenerate.sde_window=[0, 3]"], r"train.loss=nft samples with the ODE .* remove it \(it applies to a loss"),
-        (["model.guidance=3.5"], r"model.guidance=3.5: tiny-digits's transformer embeds no guidance value"),
-        (["model.family=chroma", "model.guidance=4"], r"model.guidance=4: chroma's transformer embeds no guidance"),
+        (["model.guidance=3.5"], r"model.guidance=3.5: the tiny-digits family's transformer embeds no guidance"),
+        (["model.family=chroma", "model.guidance=4"], r"model.guidance=4: the chroma family's transformer embeds no"),
         (["model.max_sequence_length=64"], r"tiny-digits' text encoder reads 6 tokens, always; remove it"),
     ],
 )
@@ -138,6 +138,17 @@ def test_malformed_yaml_names_the_line(tmp_path: Path):
     path.write_text("explore:\n  pool_size: [1, 2\n")
     with pytest.raises(ConfigError, match="not valid YAML at line 3: expected ',' or ']', but got '<stream end>'"):
         load_config(path)
+
+
+def test_a_stored_run_with_a_setting_now_refused_for_new_runs_still_validates():
+    """A breaker's finding: a run begun with model.guidance=3.5 on tiny-digits (accepted then) could not be
+    resumed once new runs refused it, and the fix it gave (remove it) would break run.json's hash."""
+    data = load_config(None).model_dump(mode="json")
+    data["model"]["guidance"] = 3.5
+    data["regenerate"]["sde_window"] = [0, 3]
+    assert validate_config(data).model.guidance == 3.5  # what resume and check_runnable read
+    with pytest.raises(ConfigError, match="model.guidance=3.5"):
+        load_config(None, ["model.guidance=3.5"])
 
 
 def test_yaml_merge_keys_merge_and_the_mapping_own_keys_override_them(tmp_path: Path):

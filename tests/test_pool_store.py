@@ -285,7 +285,7 @@ def test_retention_keeps_the_expected_pools_of_a_12_iteration_campaign(tmp_path)
 
     shown = runner.invoke(app, ["show", "kept", "--store", str(store), "--iteration", "3", "--prompt", "0"])
     assert shown.exit_code == 2 and len(shown.stderr.strip().splitlines()) == 1
-    assert "pruned by storage.keep_pools" in shown.stderr
+    assert "its images were pruned by storage.pool=latents and its latents by storage.keep_pools" in shown.stderr
     assert shown.stderr.rstrip().endswith(f"kept seeds remain: `solrl inspect kept --iteration 3 --store {store}`")
     out = tmp_path / "pool.png"
     shown = runner.invoke(
@@ -295,8 +295,8 @@ def test_retention_keeps_the_expected_pools_of_a_12_iteration_campaign(tmp_path)
         shown.exit_code == 0 and "decoded from its latents by the tiny-digits model" in shown.output and out.is_file()
     )
     for iteration, says in (
-        (3, "images and latents pruned (storage.keep_pools, storage.pool=latents); rankings"),
-        (11, "images pruned (storage.pool=latents); its latents remain: `solrl show kept"),
+        (3, "images pruned by storage.pool=latents; latents pruned by storage.keep_pools; rankings"),
+        (11, "images pruned by storage.pool=latents; its latents remain: `solrl show kept"),
     ):
         inspected = runner.invoke(app, ["inspect", "kept", "--store", str(store), "--iteration", str(iteration)])
         assert inspected.exit_code == 0 and says in inspected.output.replace("\n", " "), inspected.output

@@ -33,7 +33,7 @@ def test_jsonl_prompts_carry_their_metadata_and_the_shipped_sets_parse():
     [
         ('{"prompt": "a cat"}\nnot json\n', "line 2 is not JSON"),
         ('{"text": "no prompt key"}\n', 'line 1 has no "prompt" string'),
-        ('["a list"]\n', 'line 1 has no "prompt" string'),
+        ('["a list"]\n', 'line 1 has no "prompt" string \\(a .jsonl prompt file is JSON Lines'),
         ("# only a comment\n\n", "holds no prompt"),
     ],
 )

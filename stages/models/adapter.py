@@ -136,20 +136,24 @@ class ModelAdapter:
 
     @classmethod
     def validate_config(cls, cfg: RunConfig) -> None:
-        """Family-specific rules of a valid config (pure): a setting the family ignores is refused rather than
-        taken (it would change the run's config hash and nothing else). Raises ValueError naming the value and
-        the fix."""
+        """Family-specific rules of a valid config (pure). Raises ValueError naming the value and the fix."""
         if cfg.model.num_frames is not None and not cls.video:
             raise ValueError(
                 f"model.num_frames={cfg.model.num_frames}: {cls.name} is an image family; model.num_frames is for "
                 f"video families (wan); remove it"
             )
+
+    @classmethod
+    def ignored_settings(cls, cfg: RunConfig) -> list[str]:
+        """Settings of ``cfg`` this family ignores (they would change a new run's config hash and nothing else),
+        each as a message naming the value and the fix (``solrl.config.refuse_ignored_settings``)."""
         if cfg.model.guidance != 1.0 and not cls.guidance_embedding:
-            raise ValueError(
-                f"model.guidance={cfg.model.guidance:g}: {cls.name}'s transformer embeds no guidance value, so it "
-                f"would change nothing (solrl samples without classifier-free guidance); remove it (it applies to "
-                f"flux and flux2, which embed one)"
-            )
+            return [
+                f"model.guidance={cfg.model.guidance:g}: the {cfg.model.family} family's transformer embeds no "
+                "guidance value, so it would change nothing (solrl samples without classifier-free guidance); "
+                "remove it (it applies to the flux and flux2 families, which embed one)"
+            ]
+        return []
 
     @classmethod
     def for_source(cls, source: str) -> type[ModelAdapter]:

@@ -290,11 +290,16 @@ class TinyDigits(ModelAdapter):
                 f"model.resolution={cfg.model.resolution}: tiny-digits is {IMAGE_SIZE}x{IMAGE_SIZE} pixels; "
                 f"set model.resolution=null"
             )
+
+    @classmethod
+    def ignored_settings(cls, cfg: RunConfig) -> list[str]:
+        found = super().ignored_settings(cfg)
         if cfg.model.max_sequence_length is not None:
-            raise ValueError(
+            found.append(
                 f"model.max_sequence_length={cfg.model.max_sequence_length}: tiny-digits' text encoder reads "
                 f"{MAX_TOKENS} tokens, always; remove it"
             )
+        return found
 
     def text_encoders(self) -> dict[str, nn.Module | None]:
         return {"text_encoder": self.text_encoder}
