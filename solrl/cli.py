@@ -588,7 +588,8 @@ def report(
         _fail(str(exc))
     for option, path in (("--html", html), ("--plot", plot)):  # before the table and before either is written
         if path is not None and not path.is_dir() and not path.parent.is_dir():
-            _fail(f"{option} {path}: its folder {path.parent} does not exist")
+            gone = "is not a folder" if path.parent.exists() else "does not exist"
+            _fail(f"{option} {path}: its folder {path.parent} {gone}")
     if html is not None:  # checked before the table, as --plot is
         if html.is_dir():
             html = html / f"{run_id}-report.html"
