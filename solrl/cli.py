@@ -560,15 +560,37 @@ def list_(store: StoreOption = "runs") -> None:
     console.print(table)
 
 
+def _report_output(option: str, given: str | None, default_name: str, suffixes: tuple[str, ...]) -> Path | None:
+    """Where ``report`` writes ``option``'s file: ``given`` itself (a file with one of ``suffixes``), or
+    ``default_name`` in the folder ``given`` (one that exists, or any path written with a trailing slash); checked
+    before the table and before any file is written. Fails the command with a message otherwise."""
+    if given is None:
+        return None
+    path = Path(given).expanduser()
+    as_folder = given.endswith(("/", os.sep)) or path.is_dir()
+    folder = path if as_folder else path.parent
+    if not folder.is_dir():
+        gone = "is not a folder" if folder.exists() else "does not exist"
+        _fail(f"{option} {given}: {'it' if as_folder else f'its folder {folder}'} {gone}")
+    if as_folder:
+        return path / default_name
+    if path.suffix.lower() not in suffixes:
+        _fail(
+            f"{option} {given}: give {'an' if suffixes[0] == '.html' else 'a'} {suffixes[0]} file (or a folder, for "
+            f"{default_name})"
+        )
+    return path
+
+
 @app.command()
 def report(
     run_id: Annotated[str, typer.Argument(help="The run to summarise.")],
     store: StoreOption = "runs",
     plot: Annotated[
-        Path | None, typer.Option(help="Also save the evaluation curves as a PNG here (a .png file, or a folder).")
+        str | None, typer.Option(help="Also save the evaluation curves as a PNG here (a .png file, or a folder).")
     ] = None,
     html: Annotated[
-        Path | None,
+        str | None,
         typer.Option(
             "--html", help="Also write one self-contained HTML report page here (an .html file, or a folder)."
         ),
@@ -586,20 +608,8 @@ def report(
         run_ = open_run(store, run_id)
     except ConfigError as exc:
         _fail(str(exc))
-    for option, path in (("--html", html), ("--plot", plot)):  # before the table and before either is written
-        if path is not None and not path.is_dir() and not path.parent.is_dir():
-            gone = "is not a folder" if path.parent.exists() else "does not exist"
-            _fail(f"{option} {path}: its folder {path.parent} {gone}")
-    if html is not None:  # checked before the table, as --plot is
-        if html.is_dir():
-            html = html / f"{run_id}-report.html"
-        elif html.suffix.lower() not in (".html", ".htm"):
-            _fail(f"--html {html}: give an .html file (or a folder, for {run_id}-report.html)")
-    if plot is not None:  # checked before the table: matplotlib picks a format by the suffix, or adds ".png"
-        if plot.is_dir():
-            plot = plot / f"{run_id}-curves.png"
-        elif plot.suffix.lower() != ".png":
-            _fail(f"--plot {plot}: give a .png file (or a folder, for {run_id}-curves.png)")
+    html_path = _report_output("--html", html, f"{run_id}-report.html", (".html", ".htm"))
+    plot_path = _report_output("--plot", plot, f"{run_id}-curves.png", (".png",))  # matplotlib goes by the suffix
     frame = collect_metrics(run_.run_dir, tuple(s.name for s in ITERATION))
     if frame.empty:
         _fail(f"run {run_id} has no committed stage yet")
@@ -631,7 +641,7 @@ def report(
             f"{row['seconds/iteration']:.1f}" if row["iteration"] > 0 else "",  # iteration 0 only evaluates
         )
     Console(width=200).print(table)
-    if plot is not None:
+    if plot_path is not None:
         import matplotlib
 
         matplotlib.use("Agg")
@@ -647,23 +657,23 @@ def report(
             ax.grid(alpha=0.3)
         fig.tight_layout()
         try:
-            fig.savefig(plot, dpi=110)
+            fig.savefig(plot_path, dpi=110)
         except OSError as exc:
-            _fail(f"--plot {plot}: cannot write the PNG there ({exc.strerror or exc})")
-        typer.echo(f"curves saved to {plot}")
+            _fail(f"--plot {plot_path}: cannot write the PNG there ({exc.strerror or exc})")
+        typer.echo(f"curves saved to {plot_path}")
     from solrl.stages.pipeline import campaign_plan
     from solrl.storage.audit import broken_manifests
 
-    if html is not None:
+    if html_path is not None:
         from solrl.storage.html_report import render_html
 
         try:
-            html.write_text(
+            html_path.write_text(
                 render_html(run_, [s.name for s in ITERATION], campaign_plan(run_.config)), encoding="utf-8"
             )
         except OSError as exc:
-            _fail(f"--html {html}: cannot write the page there ({exc.strerror or exc})")
-        typer.echo(f"report page written to {html}")
+            _fail(f"--html {html_path}: cannot write the page there ({exc.strerror or exc})")
+        typer.echo(f"report page written to {html_path}")
     broken = broken_manifests(run_.run_dir, campaign_plan(run_.config))
     if broken:
         _fail(

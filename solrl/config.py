@@ -71,11 +71,31 @@ class _Section(BaseModel):
                 f"expected a number but got {value!r}: YAML reads true/false/yes/no/on/off as "
                 f"booleans; write a number (or null where the key allows it)"
             )
-        choices = _literal_choices(field.annotation)
+        choices = _literal_choices(field.annotation) or _registered_names(cls.__name__, info.field_name)
         raise ValueError(
             f"expected a name but got {value!r}: YAML reads true/false/yes/no/on/off as booleans; put the word in "
             "quotes" + (f" (one of {', '.join(map(repr, choices))})" if choices else "")
         )
+
+
+#: The name fields whose values a plug-in registry holds: (section class, field) -> the registry in solrl.registry.
+_REGISTRY_FIELDS = {
+    ("ModelConfig", "family"): "MODELS",
+    ("ExploreConfig", "precision"): "EXPLORE_BACKENDS",
+    ("TrainConfig", "loss"): "LOSSES",
+}
+
+
+def _registered_names(section: str, field: str) -> list[str]:
+    """The registered names a registry-backed name field takes (``_REGISTRY_FIELDS``), else []; [] too when the
+    plug-ins fail to load (the registry's own lookup says why)."""
+    import solrl.registry
+
+    registry = _REGISTRY_FIELDS.get((section, field))
+    try:
+        return getattr(solrl.registry, registry).names() if registry else []
+    except ValueError:
+        return []
 
 
 def _takes_numbers(annotation: Any) -> bool:
@@ -1080,10 +1100,31 @@ def load_config(
                 value = str(here.resolve())
         _apply_override(data, keys, value, item)
     data["base_dir"] = str(path.resolve().parent)
-    cfg = validate_config(data, plugins=plugins)
+    try:
+        cfg = validate_config(data, plugins=plugins)
+    except ConfigError as exc:
+        _say_how_to_quote_on_a_command_line(exc, overrides or [])
+        raise
     if plugins:  # a new run's config (a stored one is read from run.json, never through here)
         refuse_ignored_settings(cfg)
     return cfg
+
+
+def _say_how_to_quote_on_a_command_line(exc: ConfigError, overrides: list[str]) -> None:
+    """A name YAML read as a boolean from ``--set key=off`` is quoted once for YAML and once for the shell, which
+    drops a single layer (``--set key="off"`` reaches solrl as ``key=off``): raise ``exc`` saying so.
+
+    Raises:
+        ConfigError: ``exc`` with the command-line spelling, when such an override caused it.
+    """
+    for item in overrides:
+        keys, value = _parse_override(item)
+        key = ".".join(keys)
+        if isinstance(value, bool) and f"{key}: expected a name" in str(exc):
+            word = item.split("=", 1)[1].strip()
+            raise ConfigError(
+                f"{exc}; the shell drops one layer of quotes, so on a command line write --set \"{key}='{word}'\""
+            ) from exc
 
 
 def refuse_ignored_settings(cfg: RunConfig) -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from solrl.storage.artifacts import EvalSamples, Selection
+from solrl.storage.artifacts import EvalSamples, FidelityTable, Selection
 from solrl.storage.report import collect_metrics
 from solrl.storage.runs import Run
 from solrl.storage.stage import output_dir, read_manifest
@@ -55,6 +55,13 @@ def _columns(frame: pd.DataFrame, wanted: Sequence[str]) -> list[str]:
         matches = [c for c in frame.columns if c == want or (want.endswith("/") and c.startswith(want))]
         found += [c for c in matches if c not in found]
     return found
+
+
+def _place(title: str) -> int:
+    """Where the section ``title`` goes among the curve figures: their order in ``CURVES``, the stage-time split
+    last."""
+    titles = [t for t, _ in CURVES]
+    return titles.index(title) if title in titles else len(titles)
 
 
 def _png(fig) -> str:
@@ -177,11 +184,24 @@ def render_html(
     if frame.empty:
         parts.append("<p>No stage is committed yet.</p>")
     else:
-        for title, png in figures:
-            parts.append(
-                f"<h2 id='{_anchor(title)}'>{html.escape(title)}</h2>"
-                f"<img class='chart' alt='{html.escape(title)}' src='data:image/png;base64,{png}'>"
+        sections = [
+            (
+                _place(title),
+                f"<h2 id='{_anchor(title)}'>{html.escape(title)}</h2><img class='chart' "
+                f"alt='{html.escape(title)}' src='data:image/png;base64,{png}'>",
             )
+            for title, png in figures
+        ]
+        if not run.config.regenerate.enabled:  # where the fidelity figure would be, say why there is none
+            title = CURVES[2][0]
+            sections.append(
+                (
+                    _place(title),
+                    f"<h2 id='{_anchor(title)}'>{html.escape(title)}</h2>"
+                    f"<p>Not measured: {html.escape(FidelityTable.not_measured)}.</p>",
+                )
+            )
+        parts += [section for _, section in sorted(sections, key=lambda s: s[0])]
     grids, failed = [], []
     for i, _ in plan:  # an image is embedded only when its stage's checksums hold
         if read_manifest(run.run_dir, i, "select") is None:

@@ -99,13 +99,16 @@ def summary_markdown(
         + (f" (not committed: {', '.join(missing)})." if missing else ".")
     )
     warnings = [f"- **{s}**: {w}" for s, m in manifests.items() for w in m.info.get("warnings", [])]
-    lines += ["", "## Guards", ""] + (warnings or ["No guard tripped (diversity, grid energy, proxy fidelity)."])
+    fidelity = FidelityTable.load(run_dir, iteration).frame if "score_regenerate" in manifests else None
+    guarded = "diversity, grid energy" + (
+        "; proxy fidelity not measured" if fidelity is not None and fidelity.empty else ", proxy fidelity"
+    )
+    lines += ["", "## Guards", ""] + (warnings or [f"No guard tripped ({guarded})."])
     for title, prefixes in SECTIONS:
         table = _table(metrics, prefixes)
         if table:
             lines += ["", f"## {title}", "", *table]
-    if "score_regenerate" in manifests:
-        fidelity = FidelityTable.load(run_dir, iteration).frame
+    if fidelity is not None:
         if fidelity.empty:
             lines += ["", f"## {SECTIONS[0][0]}", "", f"Not measured: {FidelityTable.not_measured}."]
         else:

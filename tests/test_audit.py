@@ -187,6 +187,8 @@ def test_report_plot_paths_are_checked_before_the_table(finished: Path, tmp_path
     nowhere = runner.invoke(app, [*args, "--plot", str(tmp_path / "c.png"), "--html", str(tmp_path / "no" / "r.html")])
     assert nowhere.exit_code == 2 and nowhere.stdout == "", nowhere.output  # nothing written, no table
     assert f"--html {tmp_path / 'no' / 'r.html'}: its folder {tmp_path / 'no'} does not exist" in nowhere.stderr
+    slash = runner.invoke(app, [*args, "--html", f"{tmp_path / 'no'}/"])  # a folder meant, not a file "no"
+    assert slash.exit_code == 2 and f"--html {tmp_path / 'no'}/: it does not exist" in slash.stderr, slash.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["done-curves.png", "done-report.html"]
 
 

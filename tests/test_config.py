@@ -100,7 +100,15 @@ def test_config_is_frozen_and_hash_changes_with_values():
         ),
         (["fidelity.min_spearman=off"], r"fidelity.min_spearman: expected a number.*or null where the key allows it"),
         (["campaign.on_guard=off"], r"campaign.on_guard: expected a name but got False: .*quotes \(one of 'warn', 'st"),
-        (["explore.precision=off"], r"explore.precision: expected a name but got False: YAML reads .* in quotes$"),
+        (
+            ["explore.precision=off"],
+            r"explore.precision: expected a name but got False: YAML reads .* in quotes \(one of 'bf16', .*'nvfp4_em.*"
+            r"the shell drops one layer of quotes, so on a command line write --set \"explore.precision='off'\"$",
+        ),
+        (
+            ["model.family=no"],
+            r"model.family: expected a name .* \(one of .*'flux', .*'sd3'.*--set \"model.family='no'\"",
+        ),
         (
             ["train.stat_min_count=40"],
             r"train.stat_min_count=40 exceeds train.stat_buffer=32.*set train.stat_min_count <= 32",

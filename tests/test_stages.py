@@ -21,6 +21,7 @@ from solrl.storage.artifacts import (
     StartingPolicy,
 )
 from solrl.storage.checkpoints import load_checkpoint
+from solrl.storage.html_report import render_html
 from solrl.storage.runs import create_run
 from solrl.storage.stage import StageNotCommitted, stage_dir
 from solrl.storage.summary import rankings, summary_markdown
@@ -335,7 +336,13 @@ def test_without_regenerate_the_update_trains_on_the_kept_explore_samples(tmp_pa
     # explore rewards against themselves), an empty table, and the summary says why.
     assert manifests["score_regenerate"].metrics == {}  # neither fidelity/* nor regenerate/* figures
     assert FidelityTable.load(run.run_dir, 1).frame.empty
-    assert FidelityTable.not_measured in summary_markdown(run.run_dir, run.run_id, 1, stages)
+    summary = summary_markdown(run.run_dir, run.run_id, 1, stages)
+    assert FidelityTable.not_measured in summary
+    if loss == "nft":  # flow_grpo's guard trips (below)
+        assert "No guard tripped (diversity, grid energy; proxy fidelity not measured)." in summary
+    page = render_html(run, stages, [(1, stages)], figures=[("Training reward", ""), ("Stage-time split", "")])
+    training, fidelity, split = (page.index(t) for t in ("Training reward", "Proxy fidelity", "Stage-time split"))
+    assert training < fidelity < split and f"Not measured: {FidelityTable.not_measured}." in page
     assert {row["bf16_reward"] for row in rankings(run.run_dir, 1)} == {None}  # the NVFP4 samples' are not BF16's
     pool, _ = read_arrays(stage_dir(run.run_dir, 1, "explore") / "candidates.zarr")
     kept, attrs = read_arrays(stage_dir(run.run_dir, 1, "regenerate") / "samples.zarr")
