@@ -560,26 +560,31 @@ def list_(store: StoreOption = "runs") -> None:
     console.print(table)
 
 
-def _report_output(option: str, given: str | None, default_name: str, suffixes: tuple[str, ...]) -> Path | None:
-    """Where ``report`` writes ``option``'s file: ``given`` itself (a file with one of ``suffixes``), or
-    ``default_name`` in the folder ``given`` (one that exists, or any path written with a trailing slash); checked
-    before the table and before any file is written. Fails the command with a message otherwise."""
+def _output_target(option: str, given: str | None, suffixes: tuple[str, ...], default_name: str) -> tuple[Path, bool]:
+    """Where a command writes ``option``'s file, checked before any work or any file is written: ``(given, False)``
+    for a file with one of ``suffixes``, or ``(given, True)`` for a folder (one that exists, or any path written with
+    a trailing slash), to hold ``default_name``; ``(Path(), True)`` when ``given`` is None. Fails the command with a
+    message otherwise."""
     if given is None:
-        return None
+        return Path(), True
     path = Path(given).expanduser()
     as_folder = given.endswith(("/", os.sep)) or path.is_dir()
     folder = path if as_folder else path.parent
     if not folder.is_dir():
         gone = "is not a folder" if folder.exists() else "does not exist"
         _fail(f"{option} {given}: {'it' if as_folder else f'its folder {folder}'} {gone}")
-    if as_folder:
-        return path / default_name
-    if path.suffix.lower() not in suffixes:
-        _fail(
-            f"{option} {given}: give {'an' if suffixes[0] == '.html' else 'a'} {suffixes[0]} file (or a folder, for "
-            f"{default_name})"
-        )
-    return path
+    if not as_folder and path.suffix.lower() not in suffixes:
+        article = "an" if suffixes[0] == ".html" else "a"
+        _fail(f"{option} {given}: give {article} {suffixes[0]} file (or a folder, for {default_name})")
+    return path, as_folder
+
+
+def _report_output(option: str, given: str | None, default_name: str, suffixes: tuple[str, ...]) -> Path | None:
+    """``report``'s ``--html`` or ``--plot`` file (``_output_target``), None when not asked for."""
+    if given is None:
+        return None
+    path, as_folder = _output_target(option, given, suffixes, default_name)
+    return path / default_name if as_folder else path
 
 
 @app.command()
@@ -857,7 +862,7 @@ def show(
     iteration: Annotated[int, typer.Option(help="Iteration whose candidate pool to draw.")],
     prompt: Annotated[str, typer.Option(help="The prompt: its index in the iteration, its text, or a unique part.")],
     out: Annotated[
-        Path | None, typer.Option(help="PNG (or folder) to write (default: <run>-iter<N>-prompt<i>.png).")
+        str | None, typer.Option(help="PNG (or folder) to write (default: <run>-iter<N>-prompt<i>.png).")
     ] = None,
     store: StoreOption = "runs",
 ) -> None:
@@ -869,6 +874,7 @@ def show(
     from solrl.storage.stage import StageNotCommitted
 
     run_, iteration, _ = _open_iteration(store, run_id, iteration)
+    target, into_folder = _output_target("--out", out, (".png",), f"{run_id}-iter{iteration}-prompt<i>.png")
     decoded = []
 
     def decode(latents: np.ndarray) -> np.ndarray:
@@ -901,11 +907,7 @@ def show(
         )
     except LookupError as exc:
         _fail(str(exc))
-    default = f"{run_id}-iter{iteration}-prompt{view.group}.png"
-    if out is None or out.is_dir():
-        out = (out or Path()) / default
-    elif out.suffix.lower() != ".png":
-        _fail(f"--out {out}: give a .png file (or a folder, for {default})")
+    out_path = target / f"{run_id}-iter{iteration}-prompt{view.group}.png" if into_folder else target
     kept = sum(k is not None for k in view.kept_as)
     try:
         save_pool_grid(
@@ -913,13 +915,13 @@ def show(
             view.rewards,
             view.candidates,
             view.kept_as,
-            out,
+            out_path,
             title=f"{run_id} iteration {iteration}: {view.prompt} ({len(view.rewards)} candidates, {kept} kept)",
         )
     except OSError as exc:
-        _fail(f"--out {out}: cannot write the PNG there ({exc.strerror or exc})")
+        _fail(f"--out {out_path}: cannot write the PNG there ({exc.strerror or exc})")
     how = f", decoded from its latents by the {decoded[0]} model" if decoded else ""
-    typer.echo(f"pool of {view.prompt!r} ({len(view.rewards)} candidates, {kept} kept{how}) written to {out}")
+    typer.echo(f"pool of {view.prompt!r} ({len(view.rewards)} candidates, {kept} kept{how}) written to {out_path}")
     if view.selection != "committed":
         redo = f"; {_redo_hint(run_id, store, 'it')}" if view.selection == "fails verification" else ""
         typer.echo(

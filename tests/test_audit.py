@@ -330,7 +330,10 @@ def test_show_writes_into_a_folder_and_refuses_an_out_that_is_not_a_png(finished
     assert into.exit_code == 0, into.output
     assert (tmp_path / "done-iter1-prompt1.png").exists()
     bad = runner.invoke(app, [*args, "--out", str(tmp_path / "noext")])
-    assert bad.exit_code == 2 and "give a .png file" in bad.stderr
+    assert bad.exit_code == 2 and "give a .png file (or a folder, for done-iter1-prompt<i>.png)" in bad.stderr
+    slash = runner.invoke(app, [*args, "--out", f"{tmp_path / 'new'}/"])  # a folder meant: refused before any work
+    assert slash.exit_code == 2 and f"--out {tmp_path / 'new'}/: it does not exist" in slash.stderr, slash.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["done-iter1-prompt1.png"]
 
 
 def test_the_rankings_artifact_carries_seeds_exactly_as_strings(finished: Path):
