@@ -873,7 +873,9 @@ def show(
     from solrl.storage.audit import PoolPruned, pool_view
     from solrl.storage.stage import StageNotCommitted
 
-    run_, iteration, _ = _open_iteration(store, run_id, iteration)
+    run_, iteration, stages = _open_iteration(store, run_id, iteration)
+    if "explore" not in stages:
+        _fail(f"run {run_id}: iteration {iteration} only evaluates the starting policy; it has no candidate pool")
     target, into_folder = _output_target("--out", out, (".png",), f"{run_id}-iter{iteration}-prompt<i>.png")
     decoded = []
 
@@ -1008,6 +1010,8 @@ def export(
 
     if adapter not in ADAPTERS:
         _fail(f"--adapter {adapter!r}: choose one of {', '.join(ADAPTERS)}")
+    if out.exists() and not out.is_dir():
+        _fail(f"--out {out}: is a file; give a folder (the LoRA is written into it as {LORA_WEIGHTS})")
     try:
         run_ = open_run(store, run_id)
         family = model_family(run_.config.model)
@@ -1066,7 +1070,8 @@ def export(
     else:  # no stock pipeline samples this family: the LoRA goes onto its transformer
         how = (
             f"<the transformer>.load_lora_adapter({str(out)!r}, weight_name={path.name!r}, prefix='transformer') "
-            f"({family.name} has no stock diffusers pipeline; its transformer is a {family.pipeline_class}'s)"
+            f"({family.name} has no stock diffusers pipeline; its transformer is a {family.pipeline_class}'s, "
+            f"in {family.weights_dir(cfg.model) / 'transformer'})"
         )
     if family.guidance_embedding:  # the stock pipeline's own default differs: say what the policy sampled with
         how += f"\n  sample as the policy did with guidance_scale={cfg.model.guidance:g} (the embedded guidance)"

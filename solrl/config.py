@@ -745,13 +745,31 @@ class RunConfig(_Section):
         Raises:
             ConfigError: a prompt file is missing, unreadable, malformed or empty, or the split leaves a side empty.
         """
+        train = self._read_prompts("campaign.prompts_file", self.campaign.prompts_file)
         try:
-            train = read_prompt_set(self.resolve(self.campaign.prompts_file), "campaign.prompts_file")
             if self.campaign.eval_prompts_file is None:
                 return split(train, self.campaign.eval_fraction, "campaign.prompts_file")
-            return train, read_prompt_set(self.resolve(self.campaign.eval_prompts_file), "campaign.eval_prompts_file")
         except PromptFileError as exc:
             raise ConfigError(str(exc)) from None
+        return train, self._read_prompts("campaign.eval_prompts_file", self.campaign.eval_prompts_file)
+
+    def _read_prompts(self, field: str, given: str) -> PromptSet:
+        """The prompt file ``given`` of ``field``, read; a missing one named with every place it was looked for.
+
+        Raises:
+            ConfigError: the file is missing, unreadable, malformed or empty.
+        """
+        path = self.resolve(given)
+        try:
+            return read_prompt_set(path, field)
+        except PromptFileError as exc:
+            if path.exists() or Path(given).expanduser().is_absolute():
+                raise ConfigError(str(exc)) from None
+            places = " or ".join(map(str, dict.fromkeys([Path(self.base_dir) / given, preset_dir() / given])))
+            raise ConfigError(
+                f"{field}: no prompt file {given!r}: looked for beside the preset and among solrl's shipped ones "
+                f"({places}), and first in the current folder where --set gave it"
+            ) from None
 
     def prompt_warnings(self) -> list[str]:
         """What a user should know of the prompt files before a long run (they are read; [] where they cannot be:

@@ -69,10 +69,14 @@ def check_runnable(cfg: RunConfig, prompts_sha256: str | None = None, weights: d
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if prompts_sha256 is not None and cfg.prompts_digest() != prompts_sha256:
-        raise ConfigError(
-            f"the prompt files ({cfg.campaign.prompts_file}, {cfg.campaign.eval_prompts_file}) changed "
-            f"since the run was created, and its committed stages used the old prompts; restore "
-            f"the files or start a new run"
+        files = f"campaign.prompts_file ({cfg.campaign.prompts_file})" + (
+            f" or campaign.eval_prompts_file ({cfg.campaign.eval_prompts_file})"
+            if cfg.campaign.eval_prompts_file is not None
+            else ""
+        )
+        raise ConfigError(  # the run records one digest of both lists, so which file changed is not known
+            f"the prompts changed since the run was created: {files} holds other prompts now, and the run's "
+            "committed stages used the old ones; restore the file or start a new run"
         )
 
 

@@ -248,6 +248,11 @@ def write_json_atomic(path: Path, data: Any) -> None:
     fsync_dir(path.parent)
 
 
+def _inside(prefix: str) -> bool:
+    """Whether a manifest's attempt ``prefix`` names a folder inside its stage's folder (or the folder itself)."""
+    return "/" not in prefix and not prefix.startswith(".")
+
+
 def read_manifest(
     run_dir: Path,
     iteration: int,
@@ -280,7 +285,7 @@ def read_manifest(
         return None
     if manifest.stage != stage or manifest.iteration != iteration:
         return None
-    if "/" in manifest.prefix or manifest.prefix.startswith("."):
+    if not _inside(manifest.prefix):
         return None  # a prefix that leaves the stage's folder is not one this module wrote
     folder = directory / manifest.prefix
     for rel, entry in manifest.present().items():
@@ -293,6 +298,28 @@ def read_manifest(
     return manifest
 
 
+def not_committed(run_dir: Path, iteration: int, stage: str) -> StageNotCommitted:
+    """The error for a stage whose manifest ``read_manifest`` did not accept, saying which case it is: never
+    committed (no manifest), a manifest that does not parse or names another stage, or files that changed since the
+    commit (``solrl verify --redo`` uncommits the stage)."""
+    where = f"iteration {iteration} stage {stage!r}"
+    manifest_path = stage_dir(run_dir, iteration, stage) / MANIFEST
+    if locate(run_dir).mirrored:
+        return StageNotCommitted(f"{where} has no valid manifest in {run_dir}")
+    try:
+        manifest = StageManifest.model_validate_json(manifest_path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return StageNotCommitted(f"{where} is not committed in {run_dir} (no {MANIFEST})")
+    except (OSError, ValueError):
+        return StageNotCommitted(f"{where}: its {MANIFEST} in {run_dir} is unreadable")
+    if manifest.stage != stage or manifest.iteration != iteration or not _inside(manifest.prefix):
+        return StageNotCommitted(f"{where}: its {MANIFEST} in {run_dir} is not this stage's")
+    return StageNotCommitted(
+        f"{where}: a file changed since it was committed (missing or of another size) in {run_dir}; "
+        "`solrl verify --redo` uncommits the stage"
+    )
+
+
 def committed_key(run_dir: Path, iteration: int, stage: str) -> tuple[Store, str]:
     """Where the committed files of a stage lie in the run's store, for readers that open them in place (pyarrow,
     zarr-python, xarray; ``Store.arrow_filesystem``, ``Store.zarr_store``): the store and the key of the folder
@@ -303,7 +330,7 @@ def committed_key(run_dir: Path, iteration: int, stage: str) -> tuple[Store, str
     """
     manifest = read_manifest(run_dir, iteration, stage)
     if manifest is None:
-        raise StageNotCommitted(f"iteration {iteration} stage {stage!r} has no valid manifest in {run_dir}")
+        raise not_committed(run_dir, iteration, stage)
     place = locate(run_dir)
     folder = stage_dir(Path(place.key), iteration, stage) / manifest.prefix
     return place.store, folder.as_posix()
@@ -402,7 +429,7 @@ def output_dir(run_dir: Path, iteration: int, stage: str) -> Path:
     """
     manifest = read_manifest(run_dir, iteration, stage)
     if manifest is None:
-        raise StageNotCommitted(f"iteration {iteration} stage {stage!r} has no valid manifest in {run_dir}")
+        raise not_committed(run_dir, iteration, stage)
     return stage_dir(run_dir, iteration, stage) / manifest.prefix
 
 
@@ -427,7 +454,7 @@ def require(
     """
     manifest = read_manifest(run_dir, iteration, stage, fetch=True, defer=defer)
     if manifest is None:
-        raise StageNotCommitted(f"iteration {iteration} stage {stage!r} has no valid manifest in {run_dir}")
+        raise not_committed(run_dir, iteration, stage)
     folder = stage_dir(run_dir, iteration, stage) / manifest.prefix
     if verify is not None:
         for rel, entry in manifest.present().items():
@@ -700,7 +727,7 @@ def prune(
     """
     manifest = read_manifest(run_dir, iteration, stage)
     if manifest is None:
-        raise StageNotCommitted(f"iteration {iteration} stage {stage!r} has no valid manifest in {run_dir}")
+        raise not_committed(run_dir, iteration, stage)
     new = {folder: why for folder, why in folders.items() if manifest.holds(folder)}
     if not new:
         return 0

@@ -236,6 +236,11 @@ def test_the_default_preset_runs_here():
             r"weights\); weights: shipped with solrl; rebuild with",
         ),
         (["campaign.prompts_file=/nonexistent/prompts.txt"], r"campaign.prompts_file: cannot read prompt file"),
+        (  # a relative name: every place it was looked for
+            ["campaign.eval_prompts_file=mine.txt"],
+            r"campaign.eval_prompts_file: no prompt file 'mine.txt': looked for beside the preset and among solrl's "
+            r"shipped ones \(/\S*/configs/mine.txt\), and first in the current folder where --set gave it$",
+        ),
     ],
 )
 def test_what_this_machine_lacks_is_refused_where_work_starts_not_at_load(overrides, match):

@@ -95,6 +95,13 @@ def test_checkpoint_stage_and_solrl_export_write_a_loadable_lora(tmp_path: Path,
     assert f"iteration 1 written to {tmp_path / 'out' / LORA_WEIGHTS}\n" in result.stdout
     # tiny-digits has no stock pipeline (1 channel, no VAE, its own text encoder): the hint loads the transformer's
     assert "load_lora_adapter(" in result.stdout and "tiny-digits has no stock diffusers pipeline" in result.stdout
+    assert f"in {TINY_DIGITS_WEIGHTS / 'transformer'})" in result.stdout  # where that transformer is
+    onto_file = runner.invoke(
+        app, ["export", "export", "--out", str(tmp_path / "out" / LORA_WEIGHTS), "--store", str(run.run_dir.parent)]
+    )
+    assert onto_file.exit_code == 2 and f"--out {tmp_path / 'out' / LORA_WEIGHTS}: is a file; give a folder" in (
+        onto_file.stderr
+    )
     again = runner.invoke(app, ["export", "export", "--out", str(tmp_path / "out"), "--store", str(run.run_dir.parent)])
     assert again.exit_code == 0 and f"{LORA_WEIGHTS} (it replaced the file there)" in again.stdout, again.output
     torch.testing.assert_close(load_file(tmp_path / "out" / LORA_WEIGHTS), load_file(in_checkpoint / LORA_WEIGHTS))

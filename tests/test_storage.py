@@ -63,7 +63,7 @@ def test_readers_follow_the_attempt_folder_a_manifest_names_and_no_other(tmp_pat
     for prefix in ("../elsewhere", ".", "..", "a-0123456789ab/../.."):
         (directory / MANIFEST).write_text(json.dumps({**moved, "prefix": prefix, "files": {}}))
         assert read_manifest(tmp_path, 1, "explore") is None, prefix
-    with pytest.raises(StageNotCommitted):
+    with pytest.raises(StageNotCommitted, match="its _MANIFEST.json in .* is not this stage's"):
         output_dir(tmp_path, 1, "explore")
 
 
@@ -83,7 +83,10 @@ def test_a_directory_without_manifest_is_never_read(tmp_path: Path):
     commit(tmp_path, "r", 1, "explore", "k", _write_two_files)
     (stage_dir(tmp_path, 1, "explore") / MANIFEST).unlink()  # as if killed before the manifest
     assert read_manifest(tmp_path, 1, "explore") is None
-    with pytest.raises(StageNotCommitted, match="no valid manifest"):
+    with pytest.raises(StageNotCommitted, match=r"stage 'explore' is not committed in .* \(no _MANIFEST.json\)"):
+        require(tmp_path, 1, "explore")
+    (stage_dir(tmp_path, 1, "explore") / MANIFEST).write_text("{")  # torn, as no commit writes it
+    with pytest.raises(StageNotCommitted, match="its _MANIFEST.json in .* is unreadable"):
         require(tmp_path, 1, "explore")
 
 
@@ -91,6 +94,8 @@ def test_a_truncated_file_invalidates_the_stage(tmp_path: Path):
     commit(tmp_path, "r", 1, "explore", "k", _write_two_files)
     (stage_dir(tmp_path, 1, "explore") / "a.txt").write_text("alp")
     assert read_manifest(tmp_path, 1, "explore") is None
+    with pytest.raises(StageNotCommitted, match="a file changed since it was committed .*`solrl verify --redo`"):
+        require(tmp_path, 1, "explore")  # not "no valid manifest": the manifest is whole
 
 
 def test_corrupt_content_of_same_size_is_caught_by_verify(tmp_path: Path):
@@ -218,7 +223,11 @@ def test_a_run_whose_prompt_files_were_edited_opens_but_is_refused_where_work_st
     create_run(tiny_config(tmp_path / "store", f"campaign.prompts_file={prompts}"), "p1")
     prompts.write_text("the digit one\nthe digit three\n")
     run = open_run(tmp_path / "store", "p1")  # reading a run (ls, report) needs nothing else
-    with pytest.raises(ConfigError, match="prompt files .* changed since the run was created"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"prompts changed since the run was created: campaign.prompts_file \({prompts}\) "
+        r"or campaign.eval_prompts_file \(prompts/tiny-digits-eval.txt\) holds other prompts now",
+    ):
         check_runnable(run.config, run.prompts_sha256)
     prompts.unlink()
     assert open_run(tmp_path / "store", "p1").run_id == "p1"
