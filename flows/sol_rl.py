@@ -330,6 +330,8 @@ def run_campaign(store: str, run_id: str) -> dict[str, float]:
             logger.info(line)
         iteration_flow = sol_rl_iteration if runner is None else sol_rl_iteration.with_options(task_runner=runner)
         tracker = _tracker(run)
+        if run.guards_passed:  # the guard_stop tag of a stop passed by `solrl resume --past-guard` stays, dated by this
+            tracker.set_tag("solrl.guards_passed", ", ".join(map(str, run.guards_passed)))
         metrics: dict[str, float] = {}
         progress = start_progress(plan)
         try:
@@ -375,7 +377,7 @@ def _guard_stopped(run: Run, iteration: int, stages: list[str], tracker: Tracker
     campaign ends here, cleanly. The verdict comes from the run store, so a resume stops at the same place."""
     if run.config.campaign.on_guard != "stop" or "evaluate" not in stages:
         return False
-    trip = guard_trip(run.run_dir, run.config, iteration)
+    trip = guard_trip(run.run_dir, run.config, iteration, run.guards_passed)
     if trip is None:
         return False
     message = trip.message(run.run_id, run.store)

@@ -224,15 +224,25 @@ def _free_space(store: str) -> str:
 
 
 def _guard_stop(store: str, run_id: str) -> str | None:
-    """Why ``campaign.on_guard=stop`` ended the run's campaign (None: it did not)."""
-    from solrl.stages.guards import guard_trip
+    """Why ``campaign.on_guard=stop`` ended the run's campaign (None: it did not).
+
+    Raises:
+        ConfigError: the run cannot be opened.
+    """
     from solrl.storage.runs import open_run
 
     run = open_run(store, run_id)
+    trip = _guard_trip(run)
+    return None if trip is None else trip.message(run_id, run.store)
+
+
+def _guard_trip(run):
+    """The guard streak that ends ``run``'s campaign under ``campaign.on_guard=stop`` (None: none does)."""
     if run.config.campaign.on_guard != "stop":
         return None
-    trip = guard_trip(run.run_dir, run.config, run.config.campaign.iterations)
-    return None if trip is None else trip.message(run_id, run.store)
+    from solrl.stages.guards import guard_trip  # pandas and pyarrow: only for a run that can stop at a guard
+
+    return guard_trip(run.run_dir, run.config, run.config.campaign.iterations, run.guards_passed)
 
 
 def _report(store: str, run_id: str, outcome: str = "finished") -> None:
@@ -479,12 +489,20 @@ def resume(
         typer.Option(min=1, help="Continue with this many prompt shards (campaign.shards; results do not change)."),
     ] = None,
     force: ForceOption = False,
+    past_guard: Annotated[
+        bool,
+        typer.Option(
+            "--past-guard",
+            help="Continue a run that campaign.on_guard=stop ended, past that stop (recorded in run.json); a new "
+            "streak of alarms after it stops the run again.",
+        ),
+    ] = False,
 ) -> None:
     """Continue a run: committed stages are skipped, the first stage without a manifest runs next."""
     _quiet_environment()  # before the checks (HF_HUB_OFFLINE)
     with _stoppable([run_id, store]):
         try:
-            from solrl.storage.runs import open_run, run_lock, set_shards
+            from solrl.storage.runs import open_run, pass_guard, run_lock, set_shards
 
             run_ = open_run(store, run_id)
             check_published_weights(run_.config.model)  # before torch is imported
@@ -493,6 +511,19 @@ def resume(
                 if shards is not None:
                     set_shards(store, run_id, shards)
                     run_ = open_run(store, run_id)
+                if past_guard:
+                    stop = _guard_trip(run_)
+                    if stop is None:
+                        _fail(
+                            f"--past-guard: run {run_id} was not stopped by a guard (campaign.on_guard="
+                            f"{run_.config.campaign.on_guard}); resume it without --past-guard"
+                        )
+                    pass_guard(store, run_id, stop.iteration)
+                    run_ = open_run(store, run_id)
+                    typer.echo(
+                        f"passing the guard stop at iteration {stop.iteration} ({stop.measure}), recorded in run.json; "
+                        "a new streak of alarms after it stops the run again"
+                    )
         except ConfigError as exc:
             _fail(str(exc))
         from solrl.stages.context import StageContext
@@ -543,7 +574,7 @@ def list_(store: StoreOption = "runs") -> None:
     table = Table(title=f"runs in {where}", box=box.SIMPLE_HEAD)
     table.add_column("run id", no_wrap=True, min_width=max(len(str(r["run_id"])) for r in rows))
     # Short headers and light rules, so that the cells fold at their spaces, not inside a date, at 80 columns.
-    for name in ("created (UTC)", "model", "iterations", "last stage", "explore"):
+    for name in ("created (UTC)", "model", "iterations", "state", "explore"):
         table.add_column(name, overflow="fold")
     for row in rows:
         table.add_row(
@@ -551,13 +582,33 @@ def list_(store: StoreOption = "runs") -> None:
             str(row["created"])[:19].replace("T", " "),
             str(row["model"]),
             f"{row['iterations_done']}/{row['iterations']}",
-            str(row["last_stage"]),
+            _run_state(store, row),
             str(row["explore"]),
         )
     console = Console()
     if not console.is_terminal:  # a pipe or a file: rich's 80 columns would fold the cells for no reader's sake
         console = Console(width=max(console.width, 160))
     console.print(table)
+
+
+def _run_state(store: str, row: dict[str, object]) -> str:
+    """How far a run of ``list_runs`` got: ``complete``, ``running (iter 3: select)``, ``guard stop (iter 3:
+    evaluate)`` (``campaign.on_guard=stop`` ended it; ``solrl resume`` stops there again) or ``stopped after iter 3:
+    select`` (``solrl resume`` continues it); its newest committed stage where it has one."""
+    last = str(row["last_stage"])
+    if row["complete"]:
+        return "complete"
+    if row["running"]:
+        return f"running ({last})" if last else "running"
+    if row["iterations"] == "?":
+        return ""  # a damaged run.json: the model column says so
+    if not last:
+        return "no stage committed"
+    try:
+        stopped = _guard_stop(store, str(row["run_id"])) is not None
+    except ConfigError:  # what stops the run from opening is said by the commands that open it
+        stopped = False
+    return f"guard stop ({last})" if stopped else f"stopped after {last}"
 
 
 def _output_target(option: str, given: str | None, suffixes: tuple[str, ...], default_name: str) -> tuple[Path, bool]:
@@ -970,8 +1021,8 @@ def prune(
             freed = prune_run(cfg, run_.run_dir, by="solrl prune")
     except ConfigError as exc:
         _fail(str(exc))
-    except ValueError as exc:  # pydantic's message for a bad --pool
-        _fail(f"--pool {pool!r}: give full, latents or rankings ({str(exc).splitlines()[0]})")
+    except ValueError:  # pydantic's, for a bad --pool (typer checks the counts)
+        _fail(f"--pool {pool!r}: give full, latents or rankings")
     typer.echo(
         f"run {run_id}: {freed / 2**20:.1f} MiB of pool data removed (pool={cfg.storage.pool}, "
         f"keep_pools last={cfg.storage.keep_pools.last} every={cfg.storage.keep_pools.every})"

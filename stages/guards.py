@@ -152,10 +152,11 @@ class GuardTrip:
                 f"the last checkpoint before it is iteration {self.last_good}: "
                 f"`{solrl_command('export', run_id, '--iteration', self.last_good, '--store', store)}`"
             )
+        passing = solrl_command("resume", run_id, "--store", store, "--past-guard")
         return (
             f"guard stop (campaign.on_guard=stop): {self.measure} alarmed at {len(self.alarms)} evaluation(s) in a row "
             f"(iteration {where}; campaign.guard_patience={self.patience}): {self.alarms[-1].message}. The campaign "
-            f"ended at iteration {self.iteration}'s checkpoint; {export}"
+            f"ended at iteration {self.iteration}'s checkpoint; {export}. To continue after a look: `{passing}`"
         )
 
 
@@ -179,13 +180,19 @@ def iteration_alarms(run_dir: Path, cfg: RunConfig, up_to: int) -> dict[int, lis
     return found
 
 
-def guard_trip(run_dir: Path, cfg: RunConfig, up_to: int) -> GuardTrip | None:
+def guard_trip(run_dir: Path, cfg: RunConfig, up_to: int, passed: tuple[int, ...] = ()) -> GuardTrip | None:
     """The first measure that alarmed at ``campaign.guard_patience`` consecutive evaluations among iterations
-    ``1..up_to`` (None: none did). Ties at one evaluation go to the measure named first in the alarms."""
+    ``1..up_to`` (None: none did). Ties at one evaluation go to the measure named first in the alarms. ``passed``:
+    iterations whose guard stop the user let pass (``Run.guards_passed``); a streak counts only the evaluations
+    after the last of them."""
     patience = cfg.campaign.guard_patience
     streaks: dict[str, list[tuple[int, Alarm]]] = {}  # measure -> (evaluated iteration, its alarm), in a row
     evaluated = [0]
+    after = max(passed, default=0)
     for iteration, alarms in iteration_alarms(run_dir, cfg, up_to).items():
+        if iteration <= after:
+            evaluated.append(iteration)
+            continue
         # a measure not alarmed at this evaluation starts again from nothing
         streaks = {a.measure: [*streaks.get(a.measure, []), (iteration, a)] for a in alarms}
         evaluated.append(iteration)

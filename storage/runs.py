@@ -45,6 +45,9 @@ class Run:
     prompts_sha256: str | None = None
     #: ``storage.fingerprint.folder_fingerprint`` of the model weights at creation; None when not recorded.
     weights: dict[str, str] | None = None
+    #: Iterations whose guard stop (``campaign.on_guard=stop``) a user let the run continue past
+    #: (``solrl resume --past-guard``); a guard streak counts only evaluations after the last of them.
+    guards_passed: tuple[int, ...] = ()
 
     @property
     def place(self) -> RunPlace:
@@ -168,6 +171,11 @@ def open_run(root: str | Path, run_id: str) -> Run:
         ConfigError: no such run, or an unreadable or edited ``run.json``.
     """
     store = open_store(root)
+    if "/" in run_id.rstrip("/") and (Path(run_id) / RUN_FILE).is_file():  # a run folder's path, given as its id
+        folder = Path(run_id.rstrip("/"))
+        raise ConfigError(
+            f"run id {run_id!r} is a run's folder; give its store and its id: {folder.name} --store {folder.parent}"
+        )
     key = f"{check_run_id(run_id)}/{RUN_FILE}"
     shown = store.root + f"/{key}" if store.local else store.url(key)
     try:
@@ -175,6 +183,12 @@ def open_run(root: str | Path, run_id: str) -> Run:
         data = json.loads(raw)
     except FileNotFoundError:
         store.check(write=False)  # no such run, or a store that cannot be reached at all
+        if store.local and (Path(store.root) / RUN_FILE).is_file():  # --store named the run's own folder
+            there = Path(store.root)
+            raise ConfigError(
+                f"no run {run_id!r} in {store.address}: that folder is run {there.name!r} itself; its store is "
+                f"--store {there.parent}"
+            ) from None
         known = ", ".join(r["run_id"] for r in list_runs(root)[-5:]) or "none"
         raise ConfigError(
             f"no run {run_id!r} in {store.address} (recent: {known}); see `{solrl_command('ls', '--store', root)}`"
@@ -196,7 +210,8 @@ def open_run(root: str | Path, run_id: str) -> Run:
         if not (run_dir / RUN_FILE).is_file() or (run_dir / RUN_FILE).read_bytes() != raw:
             write_json_atomic(run_dir / RUN_FILE, data)
     weights = data.get("weights")
-    return Run(run_id, run_dir, cfg, data["config_hash"], data.get("prompts_sha256"), weights)
+    passed = tuple(int(i) for i in data.get("guards_passed", ()))
+    return Run(run_id, run_dir, cfg, data["config_hash"], data.get("prompts_sha256"), weights, passed)
 
 
 def set_shards(root: str | Path, run_id: str, shards: int) -> None:
@@ -223,10 +238,31 @@ def set_shards(root: str | Path, run_id: str, shards: int) -> None:
     _write_run_file(store, run.run_dir, data, create=False, tag=tag)
 
 
+def pass_guard(root: str | Path, run_id: str, iteration: int) -> None:
+    """Record in the run's ``run.json`` (atomically; the caller holds the run's lease) that its guard stop at
+    ``iteration`` is passed: the campaign continues, and a guard stops it again only for a new streak of alarms
+    after ``iteration`` (``Run.guards_passed``). The config and its hash are unchanged, so every committed stage
+    stays valid; the record stays, for an audit of the run.
+
+    Raises:
+        ConfigError: no such run, or an unreadable ``run.json``.
+    """
+    run = open_run(root, run_id)
+    if iteration in run.guards_passed:
+        return
+    store = open_store(root)
+    key = f"{run_id}/{RUN_FILE}"
+    tag = store.tag(key)
+    data = json.loads(store.read_bytes(key))
+    data["guards_passed"] = sorted({*run.guards_passed, iteration})
+    _write_run_file(store, run.run_dir, data, create=False, tag=tag)
+
+
 def list_runs(root: str | Path) -> list[dict[str, object]]:
     """Summaries of the runs under ``root``, oldest first: id, created, model family (and ``(tiny twin)`` for
-    ``model.source: tiny``), iterations committed (manifests present, not verified), the newest committed stage, and
-    where the run is (its folder, or its URL in an object store).
+    ``model.source: tiny``), iterations committed (manifests present, not verified), the newest committed stage,
+    whether a live process holds the run (``running``) and whether its campaign's last stage, the final evaluation,
+    is committed (``complete``), and where the run is (its folder, or its URL in an object store).
 
     Raises:
         ConfigError: (``StoreError``) an object store that cannot be listed.
@@ -253,6 +289,8 @@ def list_runs(root: str | Path) -> list[dict[str, object]]:
                     "iterations": "?",
                     "model": f"{RUN_FILE} " + ("edited (config hash)" if readable else "unreadable"),
                     "last_stage": "",
+                    "running": False,
+                    "complete": False,
                     "explore": "",
                     "path": where,
                 }
@@ -271,6 +309,8 @@ def list_runs(root: str | Path) -> list[dict[str, object]]:
             last = f"iter {int(iterations[-1][5:])}: {committed[-1][1]}" if committed else ""
         config = data.get("config", {})
         model = config.get("model", {})
+        campaign = config.get("campaign", {})
+        final = f"{run_id}/iter_{int(campaign.get('iterations', 0)):06d}/evaluate/{MANIFEST}"  # a campaign's last stage
         rows.append(
             {
                 "run_id": run_id,  # the folder's name, which every command takes (a copied run's is not run.json's)
@@ -279,6 +319,8 @@ def list_runs(root: str | Path) -> list[dict[str, object]]:
                 "iterations": config.get("campaign", {}).get("iterations", "?"),
                 "model": str(model.get("family", "?")) + (" (tiny twin)" if model.get("source") == "tiny" else ""),
                 "last_stage": last,
+                "running": Lease(store, f"{run_id}/{LEASE}").held_by() is not None,
+                "complete": store.exists(final),
                 "explore": "{precision} pool {pool_size}".format(
                     **{"precision": "?", "pool_size": "?", **config.get("explore", {})}
                 ),

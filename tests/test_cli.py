@@ -83,6 +83,21 @@ def test_resume_of_an_unknown_run_exits_2(tmp_path: Path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_run_folder_given_as_the_id_or_as_the_store_is_answered_with_the_store_and_the_id(tmp_path: Path):
+    from conftest import tiny_config
+
+    from solrl.storage.runs import create_run
+
+    run = create_run(tiny_config(tmp_path / "store"), "demo")
+    as_id = runner.invoke(app, ["inspect", str(run.run_dir)])
+    assert as_id.exit_code == 2, as_id.output
+    assert f"is a run's folder; give its store and its id: demo --store {tmp_path / 'store'}" in as_id.stderr
+    as_store = runner.invoke(app, ["resume", "demo", "--store", str(run.run_dir)])
+    assert as_store.exit_code == 2, as_store.output
+    assert f"that folder is run 'demo' itself; its store is --store {tmp_path / 'store'}" in as_store.stderr
+    assert not (run.run_dir / "demo").exists()
+
+
 def test_inspect_writes_nothing_and_a_lease_that_cannot_be_written_is_one_line(tmp_path: Path):
     """inspect took the run's lease to learn whether a process runs it, so on a read-only store it died with a
     traceback (and could make a starting resume see the run as held); resume and prune there gave a traceback."""
@@ -155,7 +170,9 @@ def test_a_run_made_on_a_gpu_machine_lists_and_reports_here_but_does_not_continu
     assert listed.exit_code == 0 and "from-gpu" in listed.stdout, listed.output
     # Not a terminal: one line a run, nothing folded (rich's 80 columns cut the date into three lines).
     (line,) = [ln for ln in listed.stdout.splitlines() if "from-gpu" in ln]
-    assert re.search(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d +tiny-digits +\d+/\d+ +iter 0: evaluate", line), line
+    assert re.search(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d +tiny-digits +\d+/\d+ +stopped after iter 0: evaluate", line), (
+        line
+    )
     reported = runner.invoke(app, ["report", "from-gpu", "--store", store])
     assert reported.exit_code == 0 and "digit_alignment" in reported.stdout, reported.output
     before = sorted(p.name for p in run.run_dir.rglob("*"))
@@ -192,6 +209,28 @@ def _committed_run(tmp_path: Path, run_id: str = "r"):
     run = create_run(cfg, run_id)
     run_stage(StageContext(cfg, run.run_dir, run.run_id, 0), "evaluate")
     return run
+
+
+def test_ls_says_whether_a_run_is_running_or_stopped_and_past_guard_needs_a_guard_stop(tmp_path: Path):
+    """ls showed the newest committed stage alone: a stopped, a running and a guard-stopped run read alike."""
+    from solrl.storage.runs import create_run, run_lock
+
+    run = _committed_run(tmp_path)
+    create_run(run.config, "fresh")
+    store = str(run.run_dir.parent)
+
+    def states() -> dict[str, str]:
+        listed = runner.invoke(app, ["ls", "--store", store], env={"COLUMNS": "200"})
+        assert listed.exit_code == 0, listed.output
+        return {ln.split()[0]: ln for ln in listed.stdout.splitlines() if "tiny-digits" in ln}
+
+    assert "stopped after iter 0: evaluate" in states()["r"] and "no stage committed" in states()["fresh"]
+    with run_lock(run.run_dir):
+        assert "running (iter 0: evaluate)" in states()["r"]
+    refused = runner.invoke(app, ["resume", "r", "--store", store, "--past-guard"])
+    assert refused.exit_code == 2, refused.output
+    assert "--past-guard: run r was not stopped by a guard (campaign.on_guard=warn)" in refused.stderr
+    assert "guards_passed" not in (run.run_dir / "run.json").read_text()
 
 
 def test_prune_names_the_pools_it_left_because_they_fail_verification(tmp_path: Path):

@@ -76,6 +76,7 @@ def test_two_iteration_campaign_commits_every_stage_logs_mlflow_and_reruns_as_sk
     listed = list_runs(run.run_dir.parent)[0]
     # The last stage committed, not explore's manifest, which pruning the pool rewrote after the iteration.
     assert listed["iterations_done"] == 2 and listed["last_stage"] == "iter 2: evaluate", listed
+    assert listed["complete"] and not listed["running"]
     assert listed["model"] == "tiny-digits"
 
 

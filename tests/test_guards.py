@@ -71,6 +71,10 @@ def test_a_measure_must_alarm_at_patience_evaluations_in_a_row(tmp_path: Path):
     third = guard_trip(run_dir, _cfg(tmp_path, "campaign.guard_patience=3"), 6)
     assert third is not None and third.evaluated == [4, 5, 6] and third.last_good == 3
     assert guard_trip(run_dir, _cfg(tmp_path, "campaign.guard_patience=4"), 6) is None
+    # The stop at 5 passed (solrl resume --past-guard): a streak counts only the evaluations after it.
+    assert guard_trip(run_dir, cfg, 6, passed=(5,)) is None  # 6 alone is not a streak of 2
+    later = guard_trip(run_dir, _cfg(tmp_path, "campaign.guard_patience=1"), 6, passed=(2, 4))
+    assert later is not None and later.evaluated == [5] and later.last_good == 4
 
 
 def test_the_last_evaluation_is_summarised_against_the_start(tmp_path: Path):
@@ -168,3 +172,20 @@ def test_on_guard_stop_ends_the_unregularised_preset_at_its_first_sustained_alar
     assert resumed.stderr.strip().splitlines()[-1] == line
     assert committed == {key: read_manifest(run.run_dir, *key).created for key in committed}
     assert read_manifest(run.run_dir, stopped + 1, "explore") is None
+    listed = CliRunner().invoke(app, ["ls", "--store", str(store)], env={"COLUMNS": "200"})
+    assert f"guard stop (iter {stopped}: evaluate)" in listed.stdout, listed.output
+
+    # After a look, the user lets the run go on: the stop is recorded as passed, and the alarms still running
+    # start a new streak after it, which stops the campaign again; nothing committed is recomputed.
+    assert line.endswith(f"To continue after a look: `solrl resume u --store {store} --past-guard`")
+    passed = CliRunner().invoke(app, ["resume", "u", "--store", str(store), "--past-guard"])
+    assert passed.exit_code == GUARD_STOP_EXIT, passed.output
+    assert f"passing the guard stop at iteration {stopped} (grid_energy), recorded in run.json" in passed.stdout
+    run = open_run(str(store), "u")
+    again = guard_trip(run.run_dir, run.config, run.config.campaign.iterations, run.guards_passed)
+    assert run.guards_passed == (stopped,) and again is not None and again.evaluated[0] > stopped
+    assert read_manifest(run.run_dir, again.iteration, "checkpoint") is not None
+    assert read_manifest(run.run_dir, again.iteration + 1, "explore") is None
+    assert committed == {key: read_manifest(run.run_dir, *key).created for key in committed}
+    tracked = mlflow.MlflowClient(f"sqlite:///{store / 'mlflow.db'}").search_runs(["1"])[0]
+    assert tracked.data.tags["solrl.guards_passed"] == str(stopped)
