@@ -330,7 +330,7 @@ def run_campaign(store: str, run_id: str) -> dict[str, float]:
             logger.info(line)
         iteration_flow = sol_rl_iteration if runner is None else sol_rl_iteration.with_options(task_runner=runner)
         tracker = _tracker(run)
-        if run.guards_passed:  # the guard_stop tag of a stop passed by `solrl resume --past-guard` stays, dated by this
+        if run.guards_passed:  # `solrl resume --past-guard`: the stop's solrl.guard_stop tag stays; this says it passed
             tracker.set_tag("solrl.guards_passed", ", ".join(map(str, run.guards_passed)))
         metrics: dict[str, float] = {}
         progress = start_progress(plan)

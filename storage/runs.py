@@ -210,8 +210,10 @@ def open_run(root: str | Path, run_id: str) -> Run:
         if not (run_dir / RUN_FILE).is_file() or (run_dir / RUN_FILE).read_bytes() != raw:
             write_json_atomic(run_dir / RUN_FILE, data)
     weights = data.get("weights")
-    passed = tuple(int(i) for i in data.get("guards_passed", ()))
-    return Run(run_id, run_dir, cfg, data["config_hash"], data.get("prompts_sha256"), weights, passed)
+    passed = data.get("guards_passed", [])
+    if not (isinstance(passed, list) and all(type(i) is int and i >= 1 for i in passed)):
+        raise ConfigError(f"{shown}: guards_passed must be a list of iterations, not {passed!r}; the file was edited")
+    return Run(run_id, run_dir, cfg, data["config_hash"], data.get("prompts_sha256"), weights, tuple(passed))
 
 
 def set_shards(root: str | Path, run_id: str, shards: int) -> None:
