@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from solrl.config import load_config
-from solrl.stages.guards import GUARD_STOP_EXIT, evaluation_alarms, fidelity_alarm, guard_trip
+from solrl.stages.guards import GUARD_STOP_EXIT, evaluation_alarms, fidelity_alarm, guard_trip, iteration_alarms
 from solrl.storage.stage import MANIFEST, stage_dir
 
 
@@ -135,7 +135,7 @@ def test_on_guard_stop_ends_the_unregularised_preset_at_its_first_sustained_alar
     from solrl.storage.stage import read_manifest
 
     store = tmp_path / "store"
-    settings = ["campaign.on_guard=stop", "campaign.guard_grid_min=0", "campaign.iterations=8"]
+    settings = ["campaign.on_guard=stop", "campaign.guard_grid_min=0", "campaign.iterations=4"]
     settings += ["tracking.report_every=0", f"storage.root={store}"]
     args = ["run", "sol-rl-unregularised", "--run-id", "u", *[a for s in settings for a in ("--set", s)]]
     result = CliRunner().invoke(app, args)
@@ -144,7 +144,7 @@ def test_on_guard_stop_ends_the_unregularised_preset_at_its_first_sustained_alar
     trip = guard_trip(run.run_dir, run.config, run.config.campaign.iterations)
     assert trip is not None and trip.measure == "grid_energy" and len(trip.evaluated) == 2
     stopped, last_good = trip.iteration, trip.last_good
-    assert stopped < 8 and 1 <= last_good == trip.evaluated[0] - 1  # measured: alarms at 2 and 3, last good 1
+    assert stopped < 4 and 1 <= last_good == trip.evaluated[0] - 1  # measured: alarms at 2 and 3, last good 1
     line = result.stderr.strip().splitlines()[-1]
     assert line.startswith("solrl: guard stop (campaign.on_guard=stop): grid_energy alarmed at 2 evaluation(s)")
     assert f"ended at iteration {stopped}'s checkpoint" in line and "x the starting policy's" in line
@@ -175,17 +175,19 @@ def test_on_guard_stop_ends_the_unregularised_preset_at_its_first_sustained_alar
     listed = CliRunner().invoke(app, ["ls", "--store", str(store)], env={"COLUMNS": "200"})
     assert f"guard stop (iter {stopped}: evaluate)" in listed.stdout, listed.output
 
-    # After a look, the user lets the run go on: the stop is recorded as passed, and the alarms still running
-    # start a new streak after it, which stops the campaign again; nothing committed is recomputed.
+    # After a look, the user lets the run go on: the stop is recorded as passed, nothing committed is recomputed,
+    # and iteration 4's alarm is a streak of one after it (patience 2: a second would stop the run again, as
+    # test_a_measure_must_alarm_at_patience_evaluations_in_a_row shows), so the campaign completes.
     assert line.endswith(f"To continue after a look: `solrl resume u --store {store} --past-guard`")
     passed = CliRunner().invoke(app, ["resume", "u", "--store", str(store), "--past-guard"])
-    assert passed.exit_code == GUARD_STOP_EXIT, passed.output
+    assert passed.exit_code == 0, passed.output
     assert f"passing the guard stop at iteration {stopped} (grid_energy), recorded in run.json" in passed.stdout
     run = open_run(str(store), "u")
-    again = guard_trip(run.run_dir, run.config, run.config.campaign.iterations, run.guards_passed)
-    assert run.guards_passed == (stopped,) and again is not None and again.evaluated[0] > stopped
-    assert read_manifest(run.run_dir, again.iteration, "checkpoint") is not None
-    assert read_manifest(run.run_dir, again.iteration + 1, "explore") is None
+    assert run.guards_passed == (stopped,)
+    assert guard_trip(run.run_dir, run.config, 4, run.guards_passed) is None
+    assert "grid_energy" in {a.measure for a in iteration_alarms(run.run_dir, run.config, 4)[4]}  # still alarming
     assert committed == {key: read_manifest(run.run_dir, *key).created for key in committed}
+    listed = CliRunner().invoke(app, ["ls", "--store", str(store)], env={"COLUMNS": "200"})
+    assert " complete " in listed.stdout, listed.output
     tracked = mlflow.MlflowClient(f"sqlite:///{store / 'mlflow.db'}").search_runs(["1"])[0]
     assert tracked.data.tags["solrl.guards_passed"] == str(stopped)
