@@ -514,9 +514,17 @@ def resume(
                 if past_guard:
                     stop = _guard_trip(run_)
                     if stop is None:
+                        from solrl.storage.stage import read_manifest
+
+                        last = run_.config.campaign.iterations
+                        passed = ", ".join(map(str, run_.guards_passed))
                         _fail(
-                            f"--past-guard: run {run_id} was not stopped by a guard (campaign.on_guard="
-                            f"{run_.config.campaign.on_guard}); resume it without --past-guard"
+                            f"--past-guard: run {run_id} is complete; nothing to pass"
+                            if read_manifest(run_.run_dir, last, "evaluate") is not None
+                            else f"--past-guard: run {run_id} is not stopped by a guard (campaign.on_guard="
+                            f"{run_.config.campaign.on_guard}"
+                            + (f"; the stops at iteration {passed} are passed already" if passed else "")
+                            + "); resume it without --past-guard"
                         )
                     pass_guard(store, run_id, stop.iteration)
                     run_ = open_run(store, run_id)
@@ -604,11 +612,21 @@ def _run_state(store: str, row: dict[str, object]) -> str:
         return ""  # a damaged run.json: the model column says so
     if not last:
         return "no stage committed"
+    from solrl.storage.runs import open_run
+
     try:
-        stopped = _guard_stop(store, str(row["run_id"])) is not None
-    except ConfigError:  # what stops the run from opening is said by the commands that open it
-        stopped = False
-    return f"guard stop ({last})" if stopped else f"stopped after {last}"
+        run = open_run(store, str(row["run_id"]))
+        trip = _guard_trip(run)
+    except ConfigError:  # a run.json edited by hand: the commands that open the run say what
+        return "unreadable (solrl inspect says why)"
+    if trip is not None:  # a stop holds while everything up to it is committed (`verify --redo` uncommits)
+        from solrl.stages.context import StageContext
+        from solrl.stages.pipeline import first_pending
+
+        pending = first_pending(StageContext.of(run, 0))
+        if pending is None or pending[0] > trip.iteration:
+            return f"guard stop ({last})"
+    return f"stopped after {last}"
 
 
 def _output_target(option: str, given: str | None, suffixes: tuple[str, ...], default_name: str) -> tuple[Path, bool]:
@@ -618,6 +636,8 @@ def _output_target(option: str, given: str | None, suffixes: tuple[str, ...], de
     message otherwise."""
     if given is None:
         return Path(), True
+    if not given.strip():
+        _fail(f"{option} is empty: give a {suffixes[0]} file or a folder")
     path = Path(given).expanduser()
     as_folder = given.endswith(("/", os.sep)) or path.is_dir()
     folder = path if as_folder else path.parent
@@ -732,10 +752,11 @@ def report(
         typer.echo(f"report page written to {html_path}")
     broken = broken_manifests(run_.run_dir, campaign_plan(run_.config))
     if broken:
+        from solrl.storage.stage import why_not_committed
+
         _fail(
-            "; ".join(f"iteration {i}: {stage} has an unreadable manifest" for i, stage in broken)
-            + " (or a file of another size than committed); left out of the table above, and "
-            f"`{_command('resume', run_id, '--store', store)}` recomputes them"
+            "; ".join(f"iteration {i}: {stage}: {why_not_committed(run_.run_dir, i, stage)}" for i, stage in broken)
+            + f"; left out of the table above, and `{_command('resume', run_id, '--store', store)}` recomputes them"
         )
 
 

@@ -768,7 +768,7 @@ class RunConfig(_Section):
             places = " or ".join(map(str, dict.fromkeys([Path(self.base_dir) / given, preset_dir() / given])))
             raise ConfigError(
                 f"{field}: no prompt file {given!r}: looked for beside the preset and among solrl's shipped ones "
-                f"({places}), and first in the current folder where --set gave it"
+                f"({places}); a path given with --set is looked for in the current folder first"
             ) from None
 
     def prompt_warnings(self) -> list[str]:
@@ -1140,6 +1140,13 @@ def _say_how_to_quote_on_a_command_line(exc: ConfigError, overrides: list[str]) 
         key = ".".join(keys)
         if isinstance(value, bool) and f"{key}: expected a name" in str(exc):
             word = item.split("=", 1)[1].strip()
+            if len(keys) == 2 and keys[0] in RunConfig.model_fields:  # a name of a known set: only one of them
+                section = RunConfig.model_fields[keys[0]].annotation
+                field = getattr(section, "model_fields", {}).get(keys[1])
+                if field is not None:
+                    names = _literal_choices(field.annotation) or _registered_names(section.__name__, keys[1])
+                    if names and word not in names:
+                        return
             raise ConfigError(
                 f"{exc}; the shell drops one layer of quotes, so on a command line write --set \"{key}='{word}'\""
             ) from exc

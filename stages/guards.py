@@ -136,6 +136,7 @@ class GuardTrip:
     last_good: int  # the last evaluated iteration before the streak (0: the starting policy, no checkpoint)
     patience: int
     evaluated: list[int]  # the streak's evaluated iterations
+    last_good_passed: bool = False  # last_good is a guard stop the user passed (solrl resume --past-guard)
 
     @property
     def iteration(self) -> int:
@@ -148,8 +149,9 @@ class GuardTrip:
         if self.last_good == 0:
             export = "the last policy before it is the starting policy (iteration 0, no checkpoint to export)"
         else:
+            passed = " (itself a guard stop, passed with --past-guard)" if self.last_good_passed else ""
             export = (
-                f"the last checkpoint before it is iteration {self.last_good}: "
+                f"the last checkpoint before it is iteration {self.last_good}{passed}: "
                 f"`{solrl_command('export', run_id, '--iteration', self.last_good, '--store', store)}`"
             )
         passing = solrl_command("resume", run_id, "--store", store, "--past-guard")
@@ -183,24 +185,29 @@ def iteration_alarms(run_dir: Path, cfg: RunConfig, up_to: int) -> dict[int, lis
 def guard_trip(run_dir: Path, cfg: RunConfig, up_to: int, passed: tuple[int, ...] = ()) -> GuardTrip | None:
     """The first measure that alarmed at ``campaign.guard_patience`` consecutive evaluations among iterations
     ``1..up_to`` (None: none did). Ties at one evaluation go to the measure named first in the alarms. ``passed``:
-    iterations whose guard stop the user let pass (``Run.guards_passed``); a streak counts only the evaluations
-    after the last of them."""
+    iterations whose guard stop the user let pass (``Run.guards_passed``): a streak that ends at one of them does
+    not stop the campaign, and every streak starts again from nothing after it. An iteration of ``passed`` where no
+    streak ended passes nothing."""
     patience = cfg.campaign.guard_patience
     streaks: dict[str, list[tuple[int, Alarm]]] = {}  # measure -> (evaluated iteration, its alarm), in a row
     evaluated = [0]
-    after = max(passed, default=0)
+    passed_stops: set[int] = set()  # the iterations of ``passed`` where a streak did end
     for iteration, alarms in iteration_alarms(run_dir, cfg, up_to).items():
-        if iteration <= after:
-            evaluated.append(iteration)
-            continue
         # a measure not alarmed at this evaluation starts again from nothing
         streaks = {a.measure: [*streaks.get(a.measure, []), (iteration, a)] for a in alarms}
         evaluated.append(iteration)
-        for measure, streak in streaks.items():
-            if len(streak) >= patience:
-                streak = streak[-patience:]
-                before = evaluated[evaluated.index(streak[0][0]) - 1]
-                return GuardTrip(measure, [a for _, a in streak], before, patience, [i for i, _ in streak])
+        tripped = next((m for m, streak in streaks.items() if len(streak) >= patience), None)
+        if tripped is None:
+            continue
+        if iteration in passed:  # the user looked and let it go on: later evaluations start new streaks
+            streaks = {}
+            passed_stops.add(iteration)
+            continue
+        streak = streaks[tripped][-patience:]
+        before = evaluated[evaluated.index(streak[0][0]) - 1]
+        return GuardTrip(
+            tripped, [a for _, a in streak], before, patience, [i for i, _ in streak], before in passed_stops
+        )
     return None
 
 

@@ -260,6 +260,16 @@ def pass_guard(root: str | Path, run_id: str, iteration: int) -> None:
     _write_run_file(store, run.run_dir, data, create=False, tag=tag)
 
 
+def _commit_time(store: Store, key: str) -> str | None:
+    """The ``created`` time a stage manifest records, None when it is unreadable (torn, or not a manifest): such
+    a stage is not committed, and ``inspect`` names it."""
+    try:
+        data = json.loads(store.read_bytes(key))
+    except (OSError, ValueError):
+        return None
+    return str(data.get("created", "")) if isinstance(data, dict) else None
+
+
 def list_runs(root: str | Path) -> list[dict[str, object]]:
     """Summaries of the runs under ``root``, oldest first: id, created, model family (and ``(tiny twin)`` for
     ``model.source: tiny``), iterations committed (manifests present, not verified), the newest committed stage,
@@ -304,9 +314,10 @@ def list_runs(root: str | Path) -> list[dict[str, object]]:
         if iterations:  # the newest committed stage, e.g. "iter 3: select"
             newest = f"{run_id}/{iterations[-1]}"
             committed = sorted(  # by the commit time a manifest records: pruning a pool rewrites its manifest later
-                (str(json.loads(store.read_bytes(f"{newest}/{name}/{MANIFEST}")).get("created", "")), name)
+                (created, name)
                 for name in store.ls(newest)
                 if store.exists(f"{newest}/{name}/{MANIFEST}")
+                and (created := _commit_time(store, f"{newest}/{name}/{MANIFEST}")) is not None
             )
             last = f"iter {int(iterations[-1][5:])}: {committed[-1][1]}" if committed else ""
         config = data.get("config", {})
@@ -322,7 +333,7 @@ def list_runs(root: str | Path) -> list[dict[str, object]]:
                 "model": str(model.get("family", "?")) + (" (tiny twin)" if model.get("source") == "tiny" else ""),
                 "last_stage": last,
                 "running": Lease(store, f"{run_id}/{LEASE}").held_by() is not None,
-                "complete": store.exists(final),
+                "complete": store.exists(final) and _commit_time(store, final) is not None,
                 "explore": "{precision} pool {pool_size}".format(
                     **{"precision": "?", "pool_size": "?", **config.get("explore", {})}
                 ),

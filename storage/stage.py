@@ -298,26 +298,29 @@ def read_manifest(
     return manifest
 
 
-def not_committed(run_dir: Path, iteration: int, stage: str) -> StageNotCommitted:
-    """The error for a stage whose manifest ``read_manifest`` did not accept, saying which case it is: never
-    committed (no manifest), a manifest that does not parse or names another stage, or files that changed since the
-    commit (``solrl verify --redo`` uncommits the stage)."""
-    where = f"iteration {iteration} stage {stage!r}"
-    manifest_path = stage_dir(run_dir, iteration, stage) / MANIFEST
+def why_not_committed(run_dir: Path, iteration: int, stage: str) -> str:
+    """Why ``read_manifest`` does not accept a stage's manifest, in a few words: ``not committed`` (no manifest),
+    ``its _MANIFEST.json is unreadable``, ``its _MANIFEST.json is not this stage's``, or ``a file changed since it
+    was committed`` (missing or of another size: ``solrl verify --redo`` uncommits the stage). A run on an object
+    store says ``no valid manifest``."""
     if locate(run_dir).mirrored:
-        return StageNotCommitted(f"{where} has no valid manifest in {run_dir}")
+        return "no valid manifest"
     try:
-        manifest = StageManifest.model_validate_json(manifest_path.read_text(encoding="utf-8"))
+        text = (stage_dir(run_dir, iteration, stage) / MANIFEST).read_text(encoding="utf-8")
+        manifest = StageManifest.model_validate_json(text)
     except FileNotFoundError:
-        return StageNotCommitted(f"{where} is not committed in {run_dir} (no {MANIFEST})")
+        return f"not committed (no {MANIFEST})"
     except (OSError, ValueError):
-        return StageNotCommitted(f"{where}: its {MANIFEST} in {run_dir} is unreadable")
+        return f"its {MANIFEST} is unreadable"
     if manifest.stage != stage or manifest.iteration != iteration or not _inside(manifest.prefix):
-        return StageNotCommitted(f"{where}: its {MANIFEST} in {run_dir} is not this stage's")
-    return StageNotCommitted(
-        f"{where}: a file changed since it was committed (missing or of another size) in {run_dir}; "
-        "`solrl verify --redo` uncommits the stage"
-    )
+        return f"its {MANIFEST} is not this stage's"
+    return "a file changed since it was committed (missing or of another size)"
+
+
+def not_committed(run_dir: Path, iteration: int, stage: str) -> StageNotCommitted:
+    """The error for a stage whose manifest ``read_manifest`` did not accept, saying why (``why_not_committed``)."""
+    why = why_not_committed(run_dir, iteration, stage)
+    return StageNotCommitted(f"iteration {iteration} stage {stage!r} in {run_dir}: {why}; `solrl resume` recomputes it")
 
 
 def committed_key(run_dir: Path, iteration: int, stage: str) -> tuple[Store, str]:

@@ -140,7 +140,7 @@ def test_a_corrupted_parquet_file_or_manifest_is_reported_not_read(finished: Pat
     shown = runner.invoke(app, ["show", "done", "--store", str(store), "--iteration", "1", "--prompt", "0"])
     assert shown.exit_code == 2 and "no verified candidate pool" in shown.stderr
     reported = runner.invoke(app, ["report", "done", "--store", str(store)])
-    assert reported.exit_code == 2 and "iteration 1: select has an unreadable manifest" in reported.stderr
+    assert reported.exit_code == 2 and "iteration 1: select: its _MANIFEST.json is unreadable; " in reported.stderr
 
 
 def test_show_draws_a_pool_whose_select_stage_fails_verification_and_says_no_seed_is_marked(
@@ -187,6 +187,8 @@ def test_report_plot_paths_are_checked_before_the_table(finished: Path, tmp_path
     nowhere = runner.invoke(app, [*args, "--plot", str(tmp_path / "c.png"), "--html", str(tmp_path / "no" / "r.html")])
     assert nowhere.exit_code == 2 and nowhere.stdout == "", nowhere.output  # nothing written, no table
     assert f"--html {tmp_path / 'no' / 'r.html'}: its folder {tmp_path / 'no'} does not exist" in nowhere.stderr
+    empty = runner.invoke(app, [*args, "--html", ""])  # was the current folder
+    assert empty.exit_code == 2 and "--html is empty: give a .html file or a folder" in empty.stderr, empty.output
     slash = runner.invoke(app, [*args, "--html", f"{tmp_path / 'no'}/"])  # a folder meant, not a file "no"
     assert slash.exit_code == 2 and f"--html {tmp_path / 'no'}/: it does not exist" in slash.stderr, slash.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["done-curves.png", "done-report.html"]

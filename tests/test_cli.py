@@ -215,7 +215,7 @@ def test_ls_says_whether_a_run_is_running_or_stopped_and_past_guard_needs_a_guar
     """ls showed the newest committed stage alone: a stopped, a running and a guard-stopped run read alike."""
     import json
 
-    from solrl.storage.runs import create_run, run_lock
+    from solrl.storage.runs import create_run, list_runs, run_lock
 
     run = _committed_run(tmp_path)
     create_run(run.config, "fresh")
@@ -231,12 +231,15 @@ def test_ls_says_whether_a_run_is_running_or_stopped_and_past_guard_needs_a_guar
         assert "running (iter 0: evaluate)" in states()["r"]
     refused = runner.invoke(app, ["resume", "r", "--store", store, "--past-guard"])
     assert refused.exit_code == 2, refused.output
-    assert "--past-guard: run r was not stopped by a guard (campaign.on_guard=warn)" in refused.stderr
+    assert "--past-guard: run r is not stopped by a guard (campaign.on_guard=warn); resume it without" in refused.stderr
     assert "guards_passed" not in (run.run_dir / "run.json").read_text()
     data = json.loads((run.run_dir / "run.json").read_text())
     (run.run_dir / "run.json").write_text(json.dumps({**data, "guards_passed": ["3"]}))  # edited by hand
     edited = runner.invoke(app, ["inspect", "r", "--store", store])
     assert edited.exit_code == 2 and "guards_passed must be a list of iterations, not ['3']" in edited.stderr
+    assert "unreadable (solrl inspect says why)" in states()["r"]
+    (run.run_dir / "iter_000000" / "evaluate" / "_MANIFEST.json").write_text('{"stage": "eval')  # torn: was a traceback
+    assert {row["run_id"]: row["last_stage"] for row in list_runs(store)}["r"] == ""
 
 
 def test_prune_names_the_pools_it_left_because_they_fail_verification(tmp_path: Path):

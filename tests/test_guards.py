@@ -74,7 +74,11 @@ def test_a_measure_must_alarm_at_patience_evaluations_in_a_row(tmp_path: Path):
     # The stop at 5 passed (solrl resume --past-guard): a streak counts only the evaluations after it.
     assert guard_trip(run_dir, cfg, 6, passed=(5,)) is None  # 6 alone is not a streak of 2
     later = guard_trip(run_dir, _cfg(tmp_path, "campaign.guard_patience=1"), 6, passed=(2, 4))
-    assert later is not None and later.evaluated == [5] and later.last_good == 4
+    assert later is not None and later.evaluated == [5] and later.last_good == 4 and later.last_good_passed
+    assert "iteration 4 (itself a guard stop, passed with --past-guard): `solrl export" in later.message("r", "/s")
+    # An iteration where no stop was (a hand-edited run.json) passes nothing.
+    for bogus in ((3,), (4,), (99,)):
+        assert guard_trip(run_dir, cfg, 6, passed=bogus) == trip, bogus
 
 
 def test_the_last_evaluation_is_summarised_against_the_start(tmp_path: Path):
@@ -132,7 +136,7 @@ def test_on_guard_stop_ends_the_unregularised_preset_at_its_first_sustained_alar
     from solrl.cli import app
     from solrl.stages.pipeline import campaign_plan
     from solrl.storage.runs import open_run
-    from solrl.storage.stage import read_manifest
+    from solrl.storage.stage import MANIFEST, read_manifest, stage_dir
 
     store = tmp_path / "store"
     settings = ["campaign.on_guard=stop", "campaign.guard_grid_min=0", "campaign.iterations=4"]
@@ -174,6 +178,11 @@ def test_on_guard_stop_ends_the_unregularised_preset_at_its_first_sustained_alar
     assert read_manifest(run.run_dir, stopped + 1, "explore") is None
     listed = CliRunner().invoke(app, ["ls", "--store", str(store)], env={"COLUMNS": "200"})
     assert f"guard stop (iter {stopped}: evaluate)" in listed.stdout, listed.output
+    manifest = stage_dir(run.run_dir, stopped - 1, "update") / MANIFEST
+    manifest.rename(manifest.with_suffix(".aside"))  # as `solrl verify --redo` uncommits it: resume has work first
+    listed = CliRunner().invoke(app, ["ls", "--store", str(store)], env={"COLUMNS": "200"})
+    assert f"stopped after iter {stopped}: evaluate" in listed.stdout, listed.output
+    manifest.with_suffix(".aside").rename(manifest)
 
     # After a look, the user lets the run go on: the stop is recorded as passed, nothing committed is recomputed,
     # and iteration 4's alarm is a streak of one after it (patience 2: a second would stop the run again, as

@@ -63,7 +63,7 @@ def test_readers_follow_the_attempt_folder_a_manifest_names_and_no_other(tmp_pat
     for prefix in ("../elsewhere", ".", "..", "a-0123456789ab/../.."):
         (directory / MANIFEST).write_text(json.dumps({**moved, "prefix": prefix, "files": {}}))
         assert read_manifest(tmp_path, 1, "explore") is None, prefix
-    with pytest.raises(StageNotCommitted, match="its _MANIFEST.json in .* is not this stage's"):
+    with pytest.raises(StageNotCommitted, match="in .*: its _MANIFEST.json is not this stage's"):
         output_dir(tmp_path, 1, "explore")
 
 
@@ -83,10 +83,10 @@ def test_a_directory_without_manifest_is_never_read(tmp_path: Path):
     commit(tmp_path, "r", 1, "explore", "k", _write_two_files)
     (stage_dir(tmp_path, 1, "explore") / MANIFEST).unlink()  # as if killed before the manifest
     assert read_manifest(tmp_path, 1, "explore") is None
-    with pytest.raises(StageNotCommitted, match=r"stage 'explore' is not committed in .* \(no _MANIFEST.json\)"):
+    with pytest.raises(StageNotCommitted, match=r"stage 'explore' in .*: not committed \(no _MANIFEST.json\)"):
         require(tmp_path, 1, "explore")
     (stage_dir(tmp_path, 1, "explore") / MANIFEST).write_text("{")  # torn, as no commit writes it
-    with pytest.raises(StageNotCommitted, match="its _MANIFEST.json in .* is unreadable"):
+    with pytest.raises(StageNotCommitted, match="in .*: its _MANIFEST.json is unreadable"):
         require(tmp_path, 1, "explore")
 
 
@@ -94,7 +94,9 @@ def test_a_truncated_file_invalidates_the_stage(tmp_path: Path):
     commit(tmp_path, "r", 1, "explore", "k", _write_two_files)
     (stage_dir(tmp_path, 1, "explore") / "a.txt").write_text("alp")
     assert read_manifest(tmp_path, 1, "explore") is None
-    with pytest.raises(StageNotCommitted, match="a file changed since it was committed .*`solrl verify --redo`"):
+    with pytest.raises(
+        StageNotCommitted, match="a file changed since it was committed .*; `solrl resume` recomputes it"
+    ):
         require(tmp_path, 1, "explore")  # not "no valid manifest": the manifest is whole
 
 
