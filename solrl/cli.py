@@ -523,7 +523,7 @@ def resume(
                             if read_manifest(run_.run_dir, last, "evaluate") is not None
                             else f"--past-guard: run {run_id} is not stopped by a guard (campaign.on_guard="
                             f"{run_.config.campaign.on_guard}"
-                            + (f"; the stops at iteration {passed} are passed already" if passed else "")
+                            + (f"; its stops at iteration(s) {passed} are passed already" if passed else "")
                             + "); resume it without --past-guard"
                         )
                     pass_guard(store, run_id, stop.iteration)
@@ -601,8 +601,9 @@ def list_(store: StoreOption = "runs") -> None:
 
 def _run_state(store: str, row: dict[str, object]) -> str:
     """How far a run of ``list_runs`` got: ``complete``, ``running (iter 3: select)``, ``guard stop (iter 3:
-    evaluate)`` (``campaign.on_guard=stop`` ended it; ``solrl resume`` stops there again) or ``stopped after iter 3:
-    select`` (``solrl resume`` continues it); its newest committed stage where it has one."""
+    evaluate)`` (``campaign.on_guard=stop`` ended it; ``solrl resume --past-guard`` continues it), ``stopped after
+    iter 3: select`` (``solrl resume`` continues it), ``no stage committed``, or ``unreadable`` (a ``run.json`` the
+    commands refuse); "" for a damaged ``run.json``, which the model column names."""
     last = str(row["last_stage"])
     if row["complete"]:
         return "complete"
@@ -636,8 +637,9 @@ def _output_target(option: str, given: str | None, suffixes: tuple[str, ...], de
     message otherwise."""
     if given is None:
         return Path(), True
+    article = "an" if suffixes[0] == ".html" else "a"
     if not given.strip():
-        _fail(f"{option} is empty: give a {suffixes[0]} file or a folder")
+        _fail(f"{option} is empty: give {article} {suffixes[0]} file or a folder")
     path = Path(given).expanduser()
     as_folder = given.endswith(("/", os.sep)) or path.is_dir()
     folder = path if as_folder else path.parent
@@ -645,7 +647,6 @@ def _output_target(option: str, given: str | None, suffixes: tuple[str, ...], de
         gone = "is not a folder" if folder.exists() else "does not exist"
         _fail(f"{option} {given}: {'it' if as_folder else f'its folder {folder}'} {gone}")
     if not as_folder and path.suffix.lower() not in suffixes:
-        article = "an" if suffixes[0] == ".html" else "a"
         _fail(f"{option} {given}: give {article} {suffixes[0]} file (or a folder, for {default_name})")
     return path, as_folder
 

@@ -188,7 +188,7 @@ def test_report_plot_paths_are_checked_before_the_table(finished: Path, tmp_path
     assert nowhere.exit_code == 2 and nowhere.stdout == "", nowhere.output  # nothing written, no table
     assert f"--html {tmp_path / 'no' / 'r.html'}: its folder {tmp_path / 'no'} does not exist" in nowhere.stderr
     empty = runner.invoke(app, [*args, "--html", ""])  # was the current folder
-    assert empty.exit_code == 2 and "--html is empty: give a .html file or a folder" in empty.stderr, empty.output
+    assert empty.exit_code == 2 and "--html is empty: give an .html file or a folder" in empty.stderr, empty.output
     slash = runner.invoke(app, [*args, "--html", f"{tmp_path / 'no'}/"])  # a folder meant, not a file "no"
     assert slash.exit_code == 2 and f"--html {tmp_path / 'no'}/: it does not exist" in slash.stderr, slash.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["done-curves.png", "done-report.html"]
