@@ -23,6 +23,7 @@ def sol_rl(
     iterations: Annotated[int | None, Field(ge=1)] = None,
     run_id: str | None = None,
     store: str | None = None,
+    past_guard: bool = False,
 ) -> dict[str, float]:
     """Start or continue a Sol-RL campaign (FP4 explore, BF16 train): each iteration is a subflow run whose task
     runs are the persisted stages; its rankings and summary are this run's artifacts.
@@ -45,15 +46,19 @@ def sol_rl(
             preset name and flow run id).
         store: Run store: a folder on the machine that runs the flow, or an object store URL such as
             s3://bucket/runs (empty: the config's storage.root).
+        past_guard: Continue the run named by run_id past the guard stop (campaign.on_guard=stop) that ended it,
+            as `solrl resume --past-guard` does; a new streak of alarms after it stops the run again.
 
     Raises:
-        ConfigError: a bad config or override, or this machine cannot run it.
+        ConfigError: a bad config or override, this machine cannot run it, or past_guard for a run that no guard
+            stopped.
     """
     from prefect.runtime import flow_run
 
-    from solrl.config import changed_by, load_config
+    from solrl.config import ConfigError, changed_by, load_config
+    from solrl.stages.guards import pass_guard_stop
     from solrl.stages.models import model_family
-    from solrl.storage.runs import RUN_FILE, create_run, open_run, open_store
+    from solrl.storage.runs import RUN_FILE, create_run, open_run, open_store, run_lock
 
     logger = get_run_logger()
     extra = [*base_overrides, *overrides, *([f"campaign.iterations={iterations}"] if iterations else [])]
@@ -66,6 +71,14 @@ def sol_rl(
         if ignored:
             logger.warning("run %s exists: continuing it with its stored config; ignored %s", run_id, ignored)
         logger.info("continuing run %s in %s", run_id, root)
+        if past_guard:
+            with run_lock(open_run(root, run_id).run_dir):
+                stop = pass_guard_stop(root, run_id)
+            logger.info(
+                "passing the guard stop at iteration %d (%s), recorded in run.json", stop.iteration, stop.measure
+            )
+    elif past_guard:
+        raise ConfigError(f"past_guard: run {run_id!r} does not exist in {root}; there is no guard stop to pass")
     else:
         check_runnable(cfg)
         create_run(cfg, run_id, weights=model_family(cfg.model).weights_fingerprint(cfg.model))

@@ -237,12 +237,12 @@ def _guard_stop(store: str, run_id: str) -> str | None:
 
 
 def _guard_trip(run):
-    """The guard streak that ends ``run``'s campaign under ``campaign.on_guard=stop`` (None: none does)."""
+    """``stages.guards.run_guard_trip``, imported only for a run that can stop at a guard (pandas, pyarrow)."""
     if run.config.campaign.on_guard != "stop":
         return None
-    from solrl.stages.guards import guard_trip  # pandas and pyarrow: only for a run that can stop at a guard
+    from solrl.stages.guards import run_guard_trip
 
-    return guard_trip(run.run_dir, run.config, run.config.campaign.iterations, run.guards_passed)
+    return run_guard_trip(run)
 
 
 def _report(store: str, run_id: str, outcome: str = "finished") -> None:
@@ -502,7 +502,7 @@ def resume(
     _quiet_environment()  # before the checks (HF_HUB_OFFLINE)
     with _stoppable([run_id, store]):
         try:
-            from solrl.storage.runs import open_run, pass_guard, run_lock, set_shards
+            from solrl.storage.runs import open_run, run_lock, set_shards
 
             run_ = open_run(store, run_id)
             check_published_weights(run_.config.model)  # before torch is imported
@@ -512,21 +512,12 @@ def resume(
                     set_shards(store, run_id, shards)
                     run_ = open_run(store, run_id)
                 if past_guard:
-                    stop = _guard_trip(run_)
-                    if stop is None:
-                        from solrl.storage.stage import read_manifest
+                    from solrl.stages.guards import pass_guard_stop
 
-                        last = run_.config.campaign.iterations
-                        passed = ", ".join(map(str, run_.guards_passed))
-                        _fail(
-                            f"--past-guard: run {run_id} is complete; nothing to pass"
-                            if read_manifest(run_.run_dir, last, "evaluate") is not None
-                            else f"--past-guard: run {run_id} is not stopped by a guard (campaign.on_guard="
-                            f"{run_.config.campaign.on_guard}"
-                            + (f"; its stops at iteration(s) {passed} are passed already" if passed else "")
-                            + "); resume it without --past-guard"
-                        )
-                    pass_guard(store, run_id, stop.iteration)
+                    try:
+                        stop = pass_guard_stop(store, run_id)
+                    except ConfigError as exc:
+                        _fail(f"--past-guard: {exc}")
                     run_ = open_run(store, run_id)
                     typer.echo(
                         f"passing the guard stop at iteration {stop.iteration} ({stop.measure}), recorded in run.json; "

@@ -231,8 +231,19 @@ def test_ls_says_whether_a_run_is_running_or_stopped_and_past_guard_needs_a_guar
         assert "running (iter 0: evaluate)" in states()["r"]
     refused = runner.invoke(app, ["resume", "r", "--store", store, "--past-guard"])
     assert refused.exit_code == 2, refused.output
-    assert "--past-guard: run r is not stopped by a guard (campaign.on_guard=warn); resume it without" in refused.stderr
+    assert (
+        "--past-guard: run r is not stopped by a guard (campaign.on_guard=warn); continue it without" in refused.stderr
+    )
     assert "guards_passed" not in (run.run_dir / "run.json").read_text()
+    from solrl.config import ConfigError
+    from solrl.flows.deployment import sol_rl
+
+    # The deployment's past_guard (the Prefect UI form) goes through the same check, and names a missing run.
+    with pytest.raises(ConfigError, match="run r is not stopped by a guard"):
+        sol_rl(run_id="r", store=store, past_guard=True)
+    with pytest.raises(ConfigError, match="past_guard: run 'ghost' does not exist in .*; there is no guard stop"):
+        sol_rl(run_id="ghost", store=store, past_guard=True)
+    assert not (run.run_dir.parent / "ghost").exists()
     data = json.loads((run.run_dir / "run.json").read_text())
     (run.run_dir / "run.json").write_text(json.dumps({**data, "guards_passed": ["3"]}))  # edited by hand
     edited = runner.invoke(app, ["inspect", "r", "--store", store])

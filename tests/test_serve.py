@@ -194,7 +194,7 @@ def test_the_form_describes_every_parameter_and_one_campaign_runs_at_a_time(camp
     does a retry: no two Running spans of the deployment's flow runs overlap."""
     deployment = campaigns["deployment"]
     form = deployment.parameter_openapi_schema["properties"]
-    assert {"config", "overrides", "base_overrides", "iterations", "run_id", "store"} == set(form)
+    assert {"config", "overrides", "base_overrides", "iterations", "run_id", "store", "past_guard"} == set(form)
     for name, field in form.items():
         assert len(field.get("description") or "") > 20, f"the UI form does not describe {name!r}"
     assert form["iterations"]["anyOf"][0]["minimum"] == 1  # validated by the UI form and the API
