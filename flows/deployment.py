@@ -67,13 +67,14 @@ def sol_rl(
     root = store_.address
     run_id = run_id or f"{cfg.name}-{str(flow_run.get_id())[:8]}"
     if store_.exists(f"{run_id}/{RUN_FILE}"):
-        ignored = changed_by(open_run(root, run_id).config, extra)
+        run = open_run(root, run_id)
+        ignored = changed_by(run.config, extra)
         if ignored:
             logger.warning("run %s exists: continuing it with its stored config; ignored %s", run_id, ignored)
         logger.info("continuing run %s in %s", run_id, root)
         if past_guard:
-            with run_lock(open_run(root, run_id).run_dir):
-                stop = pass_guard_stop(root, run_id)
+            with run_lock(run.run_dir):
+                stop = pass_guard_stop(run)
             logger.info(
                 "passing the guard stop at iteration %d (%s), recorded in run.json", stop.iteration, stop.measure
             )

@@ -515,7 +515,7 @@ def resume(
                     from solrl.stages.guards import pass_guard_stop
 
                     try:
-                        stop = pass_guard_stop(store, run_id)
+                        stop = pass_guard_stop(run_)
                     except ConfigError as exc:
                         _fail(f"--past-guard: {exc}")
                     run_ = open_run(store, run_id)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from solrl.config import CampaignConfig, ConfigError, RunConfig
 from solrl.storage.artifacts import EvalSamples
-from solrl.storage.runs import Run, open_run, pass_guard, solrl_command
+from solrl.storage.runs import Run, pass_guard, solrl_command
 from solrl.storage.stage import read_manifest
 
 #: Exit code of ``solrl run`` / ``resume`` when ``campaign.on_guard=stop`` ended the campaign.
@@ -219,27 +219,25 @@ def run_guard_trip(run: Run) -> GuardTrip | None:
     return guard_trip(run.run_dir, run.config, run.config.campaign.iterations, run.guards_passed)
 
 
-def pass_guard_stop(store: str, run_id: str) -> GuardTrip:
-    """Let the run go on past the guard stop that ended its campaign (``solrl resume --past-guard``, the
+def pass_guard_stop(run: Run) -> GuardTrip:
+    """Let ``run`` go on past the guard stop that ended its campaign (``solrl resume --past-guard``, the
     deployment's ``past_guard``): record its iteration in ``run.json`` (``storage.runs.pass_guard``; the caller
     holds the run's lease) and return it.
 
     Raises:
-        ConfigError: the run cannot be opened, is complete, or no guard stop ends it (the message names the stops
-            already passed).
+        ConfigError: the run is complete, or no guard stop ends it (the message names the stops already passed).
     """
-    run = open_run(store, run_id)
     trip = run_guard_trip(run)
     if trip is None:
         if read_manifest(run.run_dir, run.config.campaign.iterations, "evaluate") is not None:
-            raise ConfigError(f"run {run_id} is complete; there is no guard stop to pass")
+            raise ConfigError(f"run {run.run_id} is complete; there is no guard stop to pass")
         passed = ", ".join(map(str, run.guards_passed))
         raise ConfigError(
-            f"run {run_id} is not stopped by a guard (campaign.on_guard={run.config.campaign.on_guard}"
+            f"run {run.run_id} is not stopped by a guard (campaign.on_guard={run.config.campaign.on_guard}"
             + (f"; its stops at iteration(s) {passed} are passed already" if passed else "")
             + "); continue it without passing a guard"
         )
-    pass_guard(store, run_id, trip.iteration)
+    pass_guard(run, trip.iteration)
     return trip
 
 

@@ -240,20 +240,19 @@ def set_shards(root: str | Path, run_id: str, shards: int) -> None:
     _write_run_file(store, run.run_dir, data, create=False, tag=tag)
 
 
-def pass_guard(root: str | Path, run_id: str, iteration: int) -> None:
-    """Record in the run's ``run.json`` (atomically; the caller holds the run's lease) that its guard stop at
+def pass_guard(run: Run, iteration: int) -> None:
+    """Record in ``run``'s ``run.json`` (atomically; the caller holds the run's lease) that its guard stop at
     ``iteration`` is passed: the campaign continues, and a guard stops it again only for a new streak of alarms
     after ``iteration`` (``Run.guards_passed``). The config and its hash are unchanged, so every committed stage
     stays valid; the record stays, for an audit of the run.
 
     Raises:
-        ConfigError: no such run, or an unreadable ``run.json``.
+        ConfigError: an unreadable ``run.json``.
     """
-    run = open_run(root, run_id)
     if iteration in run.guards_passed:
         return
-    store = open_store(root)
-    key = f"{run_id}/{RUN_FILE}"
+    store = run.place.store
+    key = f"{run.place.key}/{RUN_FILE}"
     tag = store.tag(key)
     data = json.loads(store.read_bytes(key))
     data["guards_passed"] = sorted({*run.guards_passed, iteration})

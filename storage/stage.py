@@ -248,9 +248,24 @@ def write_json_atomic(path: Path, data: Any) -> None:
     fsync_dir(path.parent)
 
 
-def _inside(prefix: str) -> bool:
-    """Whether a manifest's attempt ``prefix`` names a folder inside its stage's folder (or the folder itself)."""
-    return "/" not in prefix and not prefix.startswith(".")
+def _local_manifest(directory: Path, iteration: int, stage: str) -> StageManifest | str:
+    """The manifest in a local stage ``directory`` when it parses, names this stage and iteration, and its attempt
+    prefix stays inside the folder; else why not, in a few words (``why_not_committed``). Files are not looked at."""
+    try:
+        manifest = StageManifest.model_validate_json((directory / MANIFEST).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return f"not committed (no {MANIFEST})"
+    except (OSError, ValueError):
+        return f"its {MANIFEST} is unreadable"
+    # a prefix that leaves the stage's folder is not one this module wrote
+    if (
+        manifest.stage != stage
+        or manifest.iteration != iteration
+        or "/" in manifest.prefix
+        or (manifest.prefix.startswith("."))
+    ):
+        return f"its {MANIFEST} is not this stage's"
+    return manifest
 
 
 def read_manifest(
@@ -279,14 +294,9 @@ def read_manifest(
     directory = stage_dir(run_dir, iteration, stage)
     if (place := locate(run_dir)).mirrored:
         return _read_remote_manifest(place.store, place.key, run_dir, iteration, stage, verify, fetch, defer)
-    try:
-        manifest = StageManifest.model_validate_json((directory / MANIFEST).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    manifest = _local_manifest(directory, iteration, stage)
+    if isinstance(manifest, str):
         return None
-    if manifest.stage != stage or manifest.iteration != iteration:
-        return None
-    if not _inside(manifest.prefix):
-        return None  # a prefix that leaves the stage's folder is not one this module wrote
     folder = directory / manifest.prefix
     for rel, entry in manifest.present().items():
         path = folder / rel
@@ -301,20 +311,13 @@ def read_manifest(
 def why_not_committed(run_dir: Path, iteration: int, stage: str) -> str:
     """Why ``read_manifest`` does not accept a stage's manifest, in a few words: ``not committed`` (no manifest),
     ``its _MANIFEST.json is unreadable``, ``its _MANIFEST.json is not this stage's``, or ``a file changed since it
-    was committed`` (missing or of another size: ``solrl verify --redo`` uncommits the stage). A run on an object
-    store says ``no valid manifest``."""
+    was committed`` (missing or of another size). A run on an object store says ``no valid manifest``."""
     if locate(run_dir).mirrored:
         return "no valid manifest"
-    try:
-        text = (stage_dir(run_dir, iteration, stage) / MANIFEST).read_text(encoding="utf-8")
-        manifest = StageManifest.model_validate_json(text)
-    except FileNotFoundError:
-        return f"not committed (no {MANIFEST})"
-    except (OSError, ValueError):
-        return f"its {MANIFEST} is unreadable"
-    if manifest.stage != stage or manifest.iteration != iteration or not _inside(manifest.prefix):
-        return f"its {MANIFEST} is not this stage's"
-    return "a file changed since it was committed (missing or of another size)"
+    manifest = _local_manifest(stage_dir(run_dir, iteration, stage), iteration, stage)
+    return (
+        manifest if isinstance(manifest, str) else "a file changed since it was committed (missing or of another size)"
+    )
 
 
 def not_committed(run_dir: Path, iteration: int, stage: str) -> StageNotCommitted:
