@@ -955,7 +955,10 @@ def _known_keys(loc: tuple, root: type[BaseModel]) -> list[str]:
         if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
             return []
         model = annotation
-    return [name for name in model.model_fields if name != "base_dir"]
+    names = [name for name in model.model_fields if name != "base_dir"]
+    if not loc and root is RunConfig:  # a preset file's own key, resolved before validation
+        names.append(f"{EXTENDS} (a preset file's base)")
+    return names
 
 
 def _describe_errors(exc: ValidationError, prefix: str = "", root: type[BaseModel] | None = None) -> str:
@@ -1111,6 +1114,11 @@ def load_config(
     data = _read_preset(path)
     for item in overrides or []:
         keys, value = _parse_override(item)
+        if keys[0] == EXTENDS:
+            raise ConfigError(
+                f"--set {item!r}: {EXTENDS} is a preset file's key, read before any --set; name the preset to start "
+                f"from instead (solrl run {value} --set ...)"
+            )
         if keys in (["campaign", "prompts_file"], ["campaign", "eval_prompts_file"]) and isinstance(value, str):
             # A file named on the command line is first the one it names from here (then the preset's, shipped).
             here = Path(value).expanduser()

@@ -76,6 +76,7 @@ def test_config_is_frozen_and_hash_changes_with_values():
         ),
         (["explore.pool_sise=8"], r"explore.pool_sise: unknown key; known keys here: precision, steps, pool_size,"),
         (["bogus.key=1"], r"bogus: unknown key; known keys here: name, model, explore, select,"),
+        (["extends=tiny-sd3"], r"extends is a preset file's key, read before any --set; .*\(solrl run tiny-sd3 --set"),
         (["explore.steps=0"], r"explore.steps: Input should be greater than or equal to 1"),
         (["train.timestep_fraction=1.5"], r"train.timestep_fraction: Input should be less than or equal to 1"),
         (
@@ -585,6 +586,7 @@ def test_every_shipped_preset_that_extends_another_resolves_without_the_key():
             r"a.yaml' extends 'b.yaml': .*b.yaml' must be a",
         ),
         ({"a.yaml": "extends: nope.yaml\n"}, r"a.yaml' extends 'nope.yaml': .*nope.yaml"),  # the extending file named
+        ({"a.yaml": "extends: sol-rl\nmodle: {}\n"}, r"modle: unknown key; known keys here: name, .*, extends \("),
     ],
 )
 def test_a_bad_extends_is_one_line_naming_it(tmp_path: Path, files: dict[str, str], match: str):
