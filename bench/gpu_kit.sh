@@ -9,8 +9,12 @@
 #
 #   make gpu-kit            # or: bench/gpu_kit.sh
 #
-# Transformer Engine cannot travel this way: its CUDA 13 core wheel alone is 276 MB (transformer_engine_cu13 2.20.2;
-# 262 MB recompressed with zstd -19), and its PyTorch extension is a source distribution built against the core.
+# Transformer Engine does not fit one command: its CUDA 13 core wheel is 181 MiB (transformer_engine_cu13 2.16.1), and
+# its PyTorch extension is a source distribution compiled against the installed torch. With TE=VERSION this script
+# also packs it for a few commands in a row (bench/te_kit.py): the core's library xz-compressed and cut into parts in
+# .te/ (git-ignored), the extension's source built there while the parts travel. .te/CALLS.md lists the calls.
+#
+#   TE=2.16.1 make gpu-kit   # 2.16 is the first with NVFP4's row-scaled activations; about 3 minutes (xz -9)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv/bin/python}
@@ -39,3 +43,26 @@ if (( size_mib > LIMIT_MIB )); then
   echo "gpu_kit: .whl/ is over ${LIMIT_MIB} MiB" >&2
   exit 1
 fi
+
+[ -n "${TE:-}" ] || exit 0
+te_download=$(mktemp -d)
+trap 'rm -rf "$te_download"' EXIT
+"$PYTHON" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 -d "$te_download" "transformer_engine_cu13==$TE" "transformer_engine==$TE"
+# The extension's source from PyPI's simple index, its hash checked (pip download would run its setup.py, which
+# needs a CUDA torch).
+"$PYTHON" - "$TE" "$te_download" <<'PY'
+import hashlib, re, sys, urllib.parse, urllib.request
+version, folder = sys.argv[1:]
+index = "https://pypi.org/simple/transformer-engine-torch/"
+name = f"transformer_engine_torch-{version}.tar.gz"
+found = re.search(rf'href="([^"#]*/{re.escape(name)})#sha256=([0-9a-f]+)"', urllib.request.urlopen(index).read().decode())
+if not found:
+    sys.exit(f"gpu_kit: no {name} in {index}")
+data = urllib.request.urlopen(urllib.parse.urljoin(index, found[1])).read()
+if hashlib.sha256(data).hexdigest() != found[2]:
+    sys.exit(f"gpu_kit: {name} does not match the index's sha256")
+open(f"{folder}/{name}", "wb").write(data)
+PY
+"$PYTHON" bench/te_kit.py pack --core "$te_download"/transformer_engine_cu13-*.whl \
+  --meta "$te_download"/transformer_engine-*.whl --sdist "$te_download"/transformer_engine_torch-*.tar.gz

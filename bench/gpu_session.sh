@@ -7,7 +7,10 @@
 #
 #   bash bench/gpu_session.sh          # about 5 minutes; its steps' limits add up to 480 s
 #
-# Steps: install the carried wheels into /tmp/site; versions and the GPU; bench/gpu_smoke.py (first contact of the
+# With Transformer Engine they add up to 720 s: a command's 600 s limit would cut the compiled step first.
+#
+# Steps: install the carried wheels into /tmp/site; Transformer Engine into /tmp/site-te where .te/ came along (the
+# last of the calls .te/CALLS.md lists, after `TE=2.16.1 make gpu-kit`; bench/te_kit.py); versions and the GPU; bench/gpu_smoke.py (first contact of the
 # Transformer Engine and torchao backends: its tables say why a check did not run); bench/gpu_explore.py at published
 # sizes, eager (throughput, the copy's bytes built against the memory plan's count, peak memory) and compiled for
 # bf16 against torchao_fp8; the memory plan of the same presets. A step that fails or runs out of time leaves the
@@ -47,6 +50,11 @@ if [ -d "$WHEELS" ]; then
   export PYTHONPATH=/tmp/site
 else
   echo "no $WHEELS/ here: using the packages already installed (make gpu-kit first where there is no network)"
+fi
+TE_KIT=${TE_KIT:-.te}
+if [ -f "$TE_KIT/SHA256SUMS" ]; then  # Transformer Engine carried in parts by the calls before this one (te_kit.py)
+  step "transformer engine" 240 "$PY" bench/te_kit.py install --source "$TE_KIT" --target /tmp/site-te --wait 210
+  export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}/tmp/site-te
 fi
 step versions 30 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv; \
   $PY -P -c 'import sys, torch, torchao, diffusers, solrl; print(sys.version.split()[0], torch.__version__, \

@@ -21,9 +21,9 @@ Every check the CPU cannot make (issue 35), each writing one markdown table (to 
 NVFP4 needs sm_100 (Blackwell): on an H200 (sm_90) its rows say so and only FP8 runs.
 
 On a GPU machine without a network (the project's borrowed test GPUs) it is one step of ``bench/gpu_session.sh``,
-which runs it with the wheels ``make gpu-kit`` prepares (docs/development/benchmarks.md). Transformer Engine cannot
-travel there (its CUDA core wheel alone is 276 MB, a command takes 64 MiB of files), so there its rows say it is
-not importable and torchao's run. On a GPU machine with a network, after ``pip install -e '.[test]'``:
+which runs it with the wheels ``make gpu-kit`` prepares (docs/development/benchmarks.md). Transformer Engine
+travels there in parts over a few commands (``TE=2.16.1 make gpu-kit``, ``bench/te_kit.py``); without them its rows
+say it is not importable and torchao's run. On a GPU machine with a network, after ``pip install -e '.[test]'``:
 
     OUT=$OUT .venv/bin/python bench/gpu_smoke.py                       # torchao and the emulation, no TE
     .venv/bin/pip install --no-build-isolation 'transformer-engine[pytorch]>=2.9'

@@ -3,6 +3,8 @@ quantized GEMM, the one rule for which layers TE takes, and the version floor (i
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -105,6 +107,7 @@ def test_the_gpu_session_runs_every_step_and_the_smoke_script_says_why_a_check_d
 
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "OUT": str(tmp_path), "SMOKE": "1", "PY": sys.executable, "WHEELS": str(tmp_path / "none")}
+    env["TE_KIT"] = str(tmp_path / "none")  # a checkout's own .te/ (make gpu-kit TE=...) is for a GPU machine
     done = subprocess.run(
         ["bash", "bench/gpu_session.sh"], cwd=root, env=env, capture_output=True, text=True, timeout=400
     )
@@ -212,3 +215,97 @@ def test_a_packed_tensor_subclass_counts_its_packed_bytes_not_its_bf16_view():
     packed = nn.Parameter(NVFP4Tensor.to_nvfp4(weight), requires_grad=False)
     assert packed.nbytes == weight.nbytes
     assert stored_bytes(packed) == 256 * 512 // 2 + 256 * 512 // 16 and stored_bytes(weight) == weight.nbytes
+
+
+def _te_kit():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "solrl_test_te_kit", Path(__file__).parents[1] / "bench" / "te_kit.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _wheel(path: Path, files: dict[str, bytes], name: str) -> None:
+    import zipfile
+
+    info = f"{name}-1.0.dist-info"
+    files = {
+        **files,
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n".encode(),
+        f"{info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    record = "".join(f"{member},,\n" for member in [*files, f"{info}/RECORD"])
+    with zipfile.ZipFile(path, "w") as wheel:
+        for member, data in {**files, f"{info}/RECORD": record.encode()}.items():
+            wheel.writestr(member, data)
+
+
+def test_transformer_engine_travels_in_parts_under_the_call_limit_and_installs_bit_for_bit(tmp_path, monkeypatch):
+    """bench/te_kit.py, for a lent GPU without a network (issue 35): a core wheel whose library exceeds one command
+    is packed into calls that each stay under the limit with the tree; carried one call at a time into the stash,
+    it installs the library bit for bit and the extension built in the background from its source. A skipped call
+    is named, and a damaged part refused. Small limits here; the real wheel is packed by `TE=2.16.1 make gpu-kit`."""
+    import importlib.metadata
+    import random
+    import tarfile
+
+    kit = _te_kit()
+    mib = kit.MIB
+    monkeypatch.setattr(kit, "BIG_MEMBER_BYTES", mib)
+    monkeypatch.setattr(kit, "CALL_LIMIT_MIB", 4)
+    monkeypatch.setattr(kit, "MARGIN_MIB", 0)
+    library = random.Random(0).randbytes(7 * mib)  # incompressible: 3 parts of at most 3 MiB
+    _wheel(
+        tmp_path / "fake_cu13-1.0-py3-none-any.whl", {"fake/__init__.py": b"", "fake/lib/core.so": library}, "fake_cu13"
+    )
+    _wheel(tmp_path / "fake-1.0-py3-none-any.whl", {"fake/__init__.py": b""}, "fake")
+    source = tmp_path / "fake_torch-1.0"
+    source.mkdir()
+    (source / "setup.py").write_text(
+        "from setuptools import setup\nsetup(name='fake_torch', version='1.0', py_modules=['fake_torch'])\n"
+    )
+    (source / "fake_torch.py").write_text("BUILT = True\n")
+    with tarfile.open(tmp_path / "fake_torch-1.0.tar.gz", "w:gz") as sdist:
+        sdist.add(source, arcname=source.name)
+    (tmp_path / "whl").mkdir()
+    (tmp_path / "whl" / "solrl.whl").write_bytes(b"0" * (mib // 2))
+
+    monkeypatch.chdir(tmp_path)
+    pack = ["pack", "--core", "fake_cu13-1.0-py3-none-any.whl", "--meta", "fake-1.0-py3-none-any.whl"]
+    kit.main([*pack, "--sdist", "fake_torch-1.0.tar.gz", "--out", ".te", "--tree-mib", "1", "--final", "whl"])
+    plan = json.loads((tmp_path / ".te" / kit.PLAN).read_text())
+    assert plan["parts"] == 3 and len(plan["calls"]) == 3 and plan["big"] == ["fake/lib/core.so"]
+    for carried in plan["calls"]:  # the tree, and each call's files, under the limit
+        sizes = [kit._bytes(tmp_path / ("whl" if c == "whl" else f".te/{c}")) for c in carried]
+        assert 1 * mib + sum(sizes) <= 4 * mib
+    calls_md = (tmp_path / ".te" / "CALLS.md").read_text()
+    assert "python3 bench/te_kit.py stash" in calls_md and "bash bench/gpu_session.sh" in calls_md
+
+    def call(i: int) -> Path:  # what call i brings to the machine: its carried files and the two lists
+        folder = tmp_path / f"call-{i}"
+        folder.mkdir(exist_ok=True)
+        for name in [*plan["calls"][i - 1], kit.SUMS, kit.PLAN]:
+            if name != "whl":
+                shutil.copy2(tmp_path / ".te" / name, folder / name)
+        return folder
+
+    stash, target = tmp_path / "stash", tmp_path / "site"
+    kit.main(["stash", "--source", str(call(1)), "--stash", str(stash)])  # starts the extension's build
+    with pytest.raises(SystemExit, match=r"not in .*stash: part-2 \(call 2\); the machine went back"):
+        kit.main(["install", "--source", str(call(3)), "--stash", str(stash), "--target", str(target)])
+    damaged = call(2) / "part-2"
+    damaged.write_bytes(b"x" + damaged.read_bytes()[1:])
+    with pytest.raises(SystemExit, match=r"part-2 does not match SHA256SUMS \(a partial copy\?\); carry it again"):
+        kit.main(["stash", "--source", str(damaged.parent), "--stash", str(stash)])
+    shutil.copy2(tmp_path / ".te" / "part-2", damaged)
+    kit.main(["stash", "--source", str(call(2)), "--stash", str(stash)])
+    kit.main(["install", "--source", str(call(3)), "--stash", str(stash), "--target", str(target), "--wait", "120"])
+    assert (target / "fake" / "lib" / "core.so").read_bytes() == library
+    assert "core.so" not in (target / "fake_cu13-1.0.dist-info" / "RECORD").read_text()
+    assert (target / "fake_torch.py").read_text() == "BUILT = True\n"
+    assert "--no-build-isolation" in (stash / "build.log").read_text()
+    installed = {d.metadata["Name"]: d.version for d in importlib.metadata.distributions(path=[str(target)])}
+    assert installed == {"fake_cu13": "1.0", "fake": "1.0", "fake_torch": "1.0"}  # what TE's import checks
