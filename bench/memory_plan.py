@@ -1,4 +1,5 @@
-"""The memory plan of every published preset on 80, 141 and 192 GB GPUs, and the checks behind it (issue 20).
+"""The memory plan of every published preset on an H100, an H200 and a B200 (their CUDA totals in GiB), and the
+checks behind it (issue 20).
 
 For each preset the transformer and VAE are built from their published configs (shipped in
 ``solrl/stages/models/published/``) on PyTorch's meta device, in bfloat16 as they load on a GPU, and measured through

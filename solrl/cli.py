@@ -334,7 +334,7 @@ def plan(
         cfg = load_config(config, set_ or [])
         import torch
 
-        from solrl.stages.memory import GIB, GPU_SIZES, cached_measure, fix_summary, format_plan, make_plan
+        from solrl.stages.memory import GIB, GPU_SIZES, a_or_an, cached_measure, fix_summary, format_plan, make_plan
 
         footprint = cached_measure(cfg, torch.bfloat16)
     except ConfigError as exc:
@@ -347,13 +347,14 @@ def plan(
         typer.echo(f"solrl: warning: {exc}; `solrl run` refuses this config until it is fixed", err=True)
     for warning in cfg.prompt_warnings():
         typer.echo(f"solrl: warning: {warning}", err=True)
-    sizes = gpu or list(GPU_SIZES.values())
+    sizes = [(f"{a_or_an(f'{gib:g}')} {gib:g} GiB device", gib) for gib in gpu or []]
+    sizes = sizes or [(f"{a_or_an(name)} {name} ({gib:.1f} GiB)", gib) for name, gib in GPU_SIZES.items()]
     try:
-        plans = [(gib, make_plan(cfg, footprint, int(gib * GIB))) for gib in sizes]
+        plans = [(device, make_plan(cfg, footprint, int(gib * GIB))) for device, gib in sizes]
     except ConfigError as exc:  # e.g. a reward plug-in that declares no parameter count
         _fail(str(exc))
-    for gib, p in plans:
-        typer.echo(format_plan(p, f"{cfg.name} on a {gib:g} GiB device (bf16 weights)"))
+    for device, p in plans:
+        typer.echo(format_plan(p, f"{cfg.name} on {device}, bf16 weights"))
         found = fix_summary(cfg, p)
         typer.echo(
             f"largest explore batch {p.largest_explore_batch}, largest micro-batch {p.largest_micro_batch}"

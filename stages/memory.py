@@ -44,8 +44,22 @@ from solrl.config import ConfigError, without_unhashed
 from solrl.stages.models.adapter import repeated_blocks
 
 GIB = 1 << 30
-#: The GPUs the plan is printed for: name -> device memory in GiB (80 GB H100 / A100, 141 GB H200, 192 GB B200).
-GPU_SIZES: dict[str, float] = {"80 GB": 80.0, "141 GB": 141.0, "192 GB": 192.0}
+#: The GPUs the plan is printed for: name -> the device memory CUDA reports, in GiB (nvidia-smi's total in MiB / 1024:
+#: 81559 MiB on an H100 80GB HBM3 and 143771 MiB on an H200, both read on this project's lent machines; 183359 MiB on
+#: a B200, as NVIDIA/TensorRT-LLM#10278 shows). A card's name in GB is not its size in GiB: a B200 has 179 GiB.
+GPU_SIZES: dict[str, float] = {
+    "H100 80 GB": 81559 / 1024,
+    "H200 141 GB": 143771 / 1024,
+    "B200 192 GB": 183359 / 1024,
+}
+
+
+def a_or_an(word: str) -> str:
+    """The indefinite article of ``word`` (a number of GiB, a GPU's name) as read aloud: "an" before an eight, an
+    eleven, an eighteen or a letter read with a vowel sound (``H100``), else "a"."""
+    return "an" if word[:1] in "8AEFHILMNORSX" or word.split(".")[0] in ("11", "18") else "a"
+
+
 #: Device memory the plan leaves free: the CUDA context, cuBLAS / NCCL workspaces and allocator fragmentation.
 RESERVE_FRACTION = 0.07
 
@@ -668,7 +682,7 @@ def device_memory(cfg: Any) -> tuple[int | None, str]:
             gib = -1.0
         if not gib > 0:
             raise ConfigError(f"{DEVICE_MEMORY_ENV}={raw!r}: give the device memory in GiB, e.g. 80")
-        return int(gib * GIB), f"a {gib:g} GiB device ({DEVICE_MEMORY_ENV})"
+        return int(gib * GIB), f"{a_or_an(f'{gib:g}')} {gib:g} GiB device ({DEVICE_MEMORY_ENV})"
     if resolve_device(cfg.model.device).type == "cuda":
         count = torch.cuda.device_count()
         sizes = [torch.cuda.get_device_properties(i).total_memory for i in range(count)]

@@ -72,7 +72,12 @@ def test_malformed_config_file_exits_2(tmp_path: Path):
 def test_plan_warns_of_a_prompt_file_that_a_run_would_refuse(tmp_path: Path):
     result = runner.invoke(app, ["plan", "--set", f"campaign.prompts_file={tmp_path / 'nope.txt'}", "--gpu", "80"])
     assert result.exit_code == 0, result.output
-    assert "on a 80 GiB device" in result.stdout
+    assert "on an 80 GiB device" in result.stdout
+    from solrl.stages.memory import a_or_an
+
+    assert [a_or_an(w) for w in ("8", "11", "18", "80", "110", "141", "H100", "B200", "0.5")] == [
+        "an", "an", "an", "an", "a", "a", "an", "a", "a"
+    ]  # fmt: skip
     assert result.stderr.startswith("solrl: warning: campaign.prompts_file: cannot read prompt file")
     assert result.stderr.rstrip().endswith("`solrl run` refuses this config until it is fixed")
 
