@@ -101,7 +101,7 @@ def stage_task(store: str, run_id: str, iteration: int, stage: str) -> dict:
 
 
 @task(
-    task_run_name="{stage}[{iteration}] shard {index}/{count}",
+    task_run_name="{stage}[{iteration}] shard {index:03d}-of-{count:03d}",  # the shard's folder (Shard.name)
     cache_policy=NO_CACHE,
     persist_result=False,
     retry_delay_seconds=2,
@@ -113,12 +113,11 @@ def shard_task(store: str, run_id: str, iteration: int, stage: str, index: int, 
     run = open_run(store, run_id)
     ctx = StageContext.of(run, iteration)
     logger = get_run_logger()
+    shard = Shard(index, count)
     with stage_notes(logger):
-        manifest, skipped = run_shard(ctx, stage, Shard(index, count))
+        manifest, skipped = run_shard(ctx, stage, shard)
     if not skipped:
-        logger.info(
-            "iteration %d %s shard %d/%d: committed in %.2f s", iteration, stage, index + 1, count, manifest.seconds
-        )
+        logger.info("iteration %d %s shard %s: committed in %.2f s", iteration, stage, shard.name, manifest.seconds)
     return skipped
 
 

@@ -53,6 +53,12 @@ def check_ray_address(cfg: RunConfig) -> None:
     if address is None or address in ("auto", "local"):
         return
     parts = urlsplit(address if "://" in address else f"ray://{address}")
+    if parts.scheme != "ray":
+        raise ConfigError(
+            f"{field}={address}: not a Ray address ({parts.scheme}:// is not how a driver joins a cluster; the "
+            f"dashboard's http:// address takes Ray jobs, not drivers); give host:port of the head node (its GCS, "
+            f"e.g. 10.0.0.5:6379) or ray://host:port (its Ray Client server)"
+        )
     try:
         port = parts.port
     except ValueError:
@@ -72,6 +78,19 @@ def unreachable(setting: str, what: str, exc: BaseException) -> str:
     """The one-line message of a cluster that does not answer at ``setting`` (``field=address``)."""
     return (
         f"{setting}: cannot reach the {what} ({exc.__class__.__name__}: {exc}); start it, or unset it for a local one"
+    )
+
+
+def _token_hint() -> str:
+    """What to check when a Ray cluster that answers on its port refuses this process: its token. Ray 2.59 and
+    later start a head node (``ray start --head``) with token authentication, which a driver uses only where
+    ``RAY_AUTH_MODE=token`` is set (Ray's own log says ``InvalidAuthToken`` then, and the connection times out)."""
+    if os.environ.get("RAY_AUTH_MODE", "").lower() == "token":
+        return "; if it uses token authentication, check that RAY_AUTH_TOKEN (or ~/.ray/auth_token) is the head's"
+    return (
+        "; if the address answers and Ray's log says InvalidAuthToken, the cluster uses token authentication (the "
+        "default of `ray start --head` since Ray 2.59): set RAY_AUTH_MODE=token, with the head's token in "
+        "RAY_AUTH_TOKEN or ~/.ray/auth_token (`ray get-auth-token` on the head prints it)"
     )
 
 
@@ -104,7 +123,7 @@ def ray_session(cfg: RunConfig, num_cpus: int) -> Iterator[None]:
                 log_to_driver=False,
             )
     except (ConnectionError, OSError, TimeoutError) as exc:
-        raise ConfigError(unreachable(f"{field}={address}", "Ray cluster", exc)) from None
+        raise ConfigError(unreachable(f"{field}={address}", "Ray cluster", exc) + _token_hint()) from None
     try:
         yield
     finally:

@@ -27,6 +27,7 @@ import fcntl
 import hashlib
 import os
 import shutil
+import sys
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -402,7 +403,11 @@ class Store:
             raise StoreError(self.explain(exc)) from None
 
     def explain(self, exc: BaseException) -> str:
-        """One line saying why a request to this store failed and what to set (no credential in it)."""
+        """One line saying why a request to this store failed and what to set (no credential in it); in a Ray
+        task, also which node's environment to set (``ray_node_note``)."""
+        return self._explain(exc) + ray_node_note()
+
+    def _explain(self, exc: BaseException) -> str:
         name = type(exc).__name__
         text = str(exc)
         endpoint = getattr(self.fs, "endpoint_url", None) or "AWS"
@@ -419,6 +424,22 @@ class Store:
                 f"that permission, or {CREDENTIAL_HINT} to name one that has it"
             )
         return f"cannot use {self.uri} at {endpoint}: {name}: {text}"
+
+
+def ray_node_note() -> str:
+    """In a Ray task or actor (a shard task, a Ray Train worker), the words that say whose environment it has:
+    that of its node's ``ray start``, not the launching shell's; else ``""``."""
+    ray = sys.modules.get("ray")  # never imported here: only a process that runs Ray has it
+    try:
+        if ray is None or not ray.is_initialized() or ray.get_runtime_context().get_task_id() is None:
+            return ""  # no Ray, or its driver (the campaign's process)
+        node = ray.util.get_node_ip_address()
+    except Exception:  # a Ray of another API: the message stays without the note
+        return ""
+    return (
+        f" (in a Ray task on node {node}, whose environment is the one its `ray start` was given: set the variables "
+        "there and restart that node's Ray)"
+    )
 
 
 def _etag(out: Any) -> str | None:

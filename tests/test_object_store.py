@@ -462,6 +462,18 @@ def test_two_shards_on_two_nodes_of_a_ray_cluster_with_the_store_only_on_s3(s3_a
         )
         run = create_run(tiny_config(Path("/unused"), f"storage.root={root}", *POOL_BATCHES, *extra), "same")
         prefect_campaign(root, "same")
+        # A store error in a task names the node whose `ray start` environment it has (the campaign's has keys).
+        import ray
+
+        from solrl.storage.store import ray_node_note
+
+        ray.init(address=cluster.address, log_to_driver=False, ignore_reinit_error=True)
+        try:
+            assert ray_node_note() == ""  # the driver
+            note = ray.get(ray.remote(num_cpus=1)(ray_node_note).remote())
+            assert note.startswith(" (in a Ray task on node ") and "its `ray start` was given" in note, note
+        finally:
+            ray.shutdown()
     finally:
         cluster.shutdown()
     for stage in ("explore", "regenerate", "score_explore"):

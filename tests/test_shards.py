@@ -171,7 +171,7 @@ def test_through_prefect_each_shard_is_its_own_task_run(tmp_path: Path):
     with get_client(sync_client=True) as client:
         names = {task_run.name for task_run in client.read_task_runs()}
     for stage in ("explore", "regenerate"):
-        assert {f"{stage}[1] shard 0/2", f"{stage}[1] shard 1/2", f"{stage}[1]"} <= names, sorted(names)
+        assert {f"{stage}[1] shard 000-of-002", f"{stage}[1] shard 001-of-002", f"{stage}[1]"} <= names, sorted(names)
 
 
 def test_resume_may_record_another_shard_count_without_touching_the_config_hash(tmp_path: Path):
@@ -245,6 +245,11 @@ def test_a_dask_address_that_does_not_answer_is_one_line_naming_the_field(tmp_pa
             "RAY_ADDRESS=ray://127.0.0.1:9",
         ),
         (["train.launcher=ray"], {"RAY_ADDRESS": "no-port"}, "RAY_ADDRESS=no-port: not a Ray address"),
+        (  # the dashboard's address answers, but takes jobs, not drivers
+            ["train.launcher=ray"],
+            {"RAY_ADDRESS": "http://127.0.0.1:8265"},
+            "RAY_ADDRESS=http://127.0.0.1:8265: not a Ray address (http:// is not how a driver joins",
+        ),
     ],
 )
 @pytest.mark.usefixtures("own_prefect_server")  # checks that solrl started no Prefect server
@@ -271,6 +276,31 @@ def test_a_ray_address_that_does_not_answer_is_one_line_and_exit_2_before_any_wo
     assert "not a Ray address" in lines[0] or "cannot reach the Ray cluster" in lines[0], lines
     assert time.monotonic() - start < 10
     assert not store.exists() and not (tmp_path / "prefect").exists()  # nothing written, no Prefect started
+
+
+def test_a_ray_cluster_that_refuses_the_connection_names_token_authentication(tmp_path: Path, monkeypatch):
+    """Ray 2.59 and later start a head node with token authentication: its port answers (the check before any
+    work passes) and ``ray.init`` fails later with a bare ConnectionError after Ray's own InvalidAuthToken lines,
+    as seen with ``ray start --head`` (Ray 2.60). The message says what to set, and says to check the token where
+    RAY_AUTH_MODE=token is set already."""
+    import ray
+
+    from solrl.config import ConfigError
+    from solrl.stages.cluster import ray_session
+
+    def refused(**kwargs):
+        raise ConnectionError(f"Failed to connect to Ray cluster at {kwargs['address']}")
+
+    monkeypatch.setattr(ray, "init", refused)
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    cfg = tiny_config(tmp_path, "campaign.shards=2", "campaign.task_runner=ray", "campaign.task_runner_address=h:6379")
+    with pytest.raises(ConfigError, match=r"cannot reach the Ray cluster .*set RAY_AUTH_MODE=token, with the head's"):
+        with ray_session(cfg, 1):
+            pass
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    with pytest.raises(ConfigError, match=r"check that RAY_AUTH_TOKEN \(or ~/.ray/auth_token\) is the head's$"):
+        with ray_session(cfg, 1):
+            pass
 
 
 def test_a_task_runner_whose_prefect_integration_is_missing_is_refused_before_any_work(tmp_path: Path, monkeypatch):
