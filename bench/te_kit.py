@@ -5,11 +5,11 @@ included (docs/development/benchmarks.md). Transformer Engine's CUDA 13 core whe
 of it one shared library, and its PyTorch extension is a source distribution compiled against the installed torch.
 This tool moves it anyway, with nothing but the standard library and PyPI's own files:
 
-``pack`` (here, with a network; ``make gpu-kit TE=2.16.1`` runs it)
-    Takes the core wheel apart: the shared library is xz-compressed (531 MB to about 140 MB) and cut into parts,
-    and the rest stays a small wheel (its RECORD without the library). Writes ``.te/`` (git-ignored), its
-    ``SHA256SUMS``, and ``.te/CALLS.md``: which files each command carries so that none exceeds the limit with the
-    tree, the last one with ``.whl/`` and the session.
+``pack`` (here, with a network; ``TE=2.16.1 make gpu-kit`` runs it)
+    Takes the core wheel apart: the shared library is xz-compressed (507 MiB to 139 MiB) and cut into parts,
+    and the rest stays a small wheel under the core's own name (its RECORD without the library). Writes ``.te/``
+    (git-ignored), its ``SHA256SUMS``, ``plan.json`` and ``CALLS.md``: which files each command carries so that
+    none exceeds the limit with the tree, the last one with ``.whl/`` and the session.
 ``stash`` (there, the command of every call but the last)
     Checks each carried file against ``SHA256SUMS`` and copies it to ``/tmp/solrl-te``, which outlives a command
     while the machine stays warm. Once the extension's source is there, starts its build in a new process session
@@ -21,7 +21,7 @@ This tool moves it anyway, with nothing but the standard library and PyPI's own 
 Each step says what is missing, and from which call, rather than failing later in an import.
 
     python bench/te_kit.py pack --core transformer_engine_cu13-2.16.1-...whl --meta transformer_engine-2.16.1-...whl \\
-        --sdist transformer_engine_torch-2.16.1.tar.gz --tree-mib 8 --final-mib 17
+        --sdist transformer_engine_torch-2.16.1.tar.gz        # here; the tree's size from git, .whl/ measured
     python3 bench/te_kit.py stash                                  # there, calls 1..n-1
     python3 bench/te_kit.py install --target /tmp/site-te          # there, in the last call
 """
@@ -93,7 +93,8 @@ def _slim_wheel(core: Path, out: Path, library: Path) -> list[str]:
                     tar.addfile(info, src)
     raw = tar_bytes.getvalue()
     if shutil.which("xz"):  # several threads where the tool has them; the stream decompresses the same
-        subprocess.run(["xz", "-9", "-T0", "-c"], input=raw, stdout=library.open("wb"), check=True)
+        with library.open("wb") as compressed:
+            subprocess.run(["xz", "-9", "-T0", "-c"], input=raw, stdout=compressed, check=True)
     else:
         library.write_bytes(lzma.compress(raw, preset=9))
     return sorted(names)
