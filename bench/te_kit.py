@@ -223,6 +223,8 @@ def _start_build(sdist: Path, kept: Path) -> None:
     ``-I`` folders of TE's build come first, so a toolkit's headers win over pip's where both have one."""
     (kept / "dist").mkdir(exist_ok=True)
     env = {**os.environ, "NVTE_PYTORCH_FORCE_BUILD": "TRUE", "MAX_JOBS": str(os.cpu_count() or 8)}
+    # torch builds with ninja, in parallel, only where it finds it: pip's ninja sits beside this Python.
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     headers = [*_nvidia_include_dirs(), *filter(None, os.environ.get("CPLUS_INCLUDE_PATH", "").split(":"))]
     if headers:
         env["CPLUS_INCLUDE_PATH"] = ":".join(headers)
