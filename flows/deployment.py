@@ -9,6 +9,7 @@ there, not from ``Annotated[..., Field(description=...)]``); ``tests/test_serve.
 from typing import Annotated
 
 from prefect import flow, get_run_logger
+from prefect.states import State
 from pydantic import Field
 
 from solrl.flows.sol_rl import run_campaign
@@ -24,7 +25,7 @@ def sol_rl(
     run_id: str | None = None,
     store: str | None = None,
     past_guard: bool = False,
-) -> dict[str, float]:
+) -> dict[str, float] | State:
     """Start or continue a Sol-RL campaign (FP4 explore, BF16 train): each iteration is a subflow run whose task
     runs are the persisted stages; its rankings and summary are this run's artifacts.
 
@@ -34,14 +35,18 @@ def sol_rl(
     no committed stage is recomputed, whatever Prefect's Retry dialog says of task results. This flow run keeps
     the name given in the form; its tags name the solrl run and the preset.
 
+    A campaign that a guard stops (``campaign.on_guard=stop``) ends in the state "Guard stop" (a Completed
+    state), whose message says what alarmed, the checkpoint to export, and how to continue past it.
+
     Args:
         config: Preset name (configs/*.yaml, e.g. sol-rl) or a YAML path on the machine that runs the flow
-            (empty: the default preset, as `solrl run` without --config).
+            (empty: the default preset, as `solrl run` without a preset).
         overrides: Settings of this run, one section.key=value per item, as `solrl run --set` takes them, e.g.
             campaign.prompts_per_iteration=4 or explore.pool_size=64.
         base_overrides: The served config's own overrides (`solrl serve --set ...`), applied before overrides;
             leave as served.
-        iterations: campaign.iterations: RL iterations of this campaign (empty: the config's).
+        iterations: campaign.iterations: RL iterations of a new campaign (empty: the config's); a run that
+            exists keeps its own.
         run_id: Continue this solrl run if it exists in the store, else start it under this id (empty: a new id,
             preset name and flow run id).
         store: Run store: a folder on the machine that runs the flow, or an object store URL such as
@@ -54,23 +59,37 @@ def sol_rl(
             stopped.
     """
     from prefect.runtime import flow_run
+    from prefect.states import Completed
 
     from solrl.config import ConfigError, changed_by, load_config
-    from solrl.stages.guards import pass_guard_stop
+    from solrl.stages.guards import pass_guard_stop, run_guard_trip
     from solrl.stages.models import model_family
     from solrl.storage.runs import RUN_FILE, create_run, open_run, open_store, run_lock
 
     logger = get_run_logger()
-    extra = [*base_overrides, *overrides, *([f"campaign.iterations={iterations}"] if iterations else [])]
+    own = [*overrides, *([f"campaign.iterations={iterations}"] if iterations else [])]  # this trigger's settings
+    extra = [*base_overrides, *own]
     cfg = load_config(config, [*extra, *([f"storage.root={store}"] if store else [])])
     store_ = open_store(cfg.storage.root)
     root = store_.address
     run_id = run_id or f"{cfg.name}-{str(flow_run.get_id())[:8]}"
     if store_.exists(f"{run_id}/{RUN_FILE}"):
         run = open_run(root, run_id)
-        ignored = changed_by(run.config, extra)
+        ignored = changed_by(run.config, own)  # not the served base_overrides: this user set none of them
         if ignored:
             logger.warning("run %s exists: continuing it with its stored config; ignored %s", run_id, ignored)
+        from solrl.stages.context import StageContext
+        from solrl.stages.pipeline import first_pending
+
+        if first_pending(StageContext.of(run, 0)) is None and not past_guard:
+            n = run.config.campaign.iterations
+            logger.warning(
+                "run %s is complete (%d iteration%s committed): nothing to do; a stored run keeps its "
+                "campaign.iterations, so another campaign from its preset needs another run_id",
+                run_id,
+                n,
+                "s" * (n != 1),
+            )
         logger.info("continuing run %s in %s", run_id, root)
         if past_guard:
             with run_lock(run.run_dir):
@@ -84,4 +103,10 @@ def sol_rl(
         check_runnable(cfg)
         create_run(cfg, run_id, weights=model_family(cfg.model).weights_fingerprint(cfg.model))
         logger.info("created run %s in %s", run_id, root)
-    return run_campaign(root, run_id)
+    metrics = run_campaign(root, run_id)
+    trip = run_guard_trip(open_run(root, run_id))
+    if trip is None:
+        return metrics
+    # The flow run's state says it in the UI's run list and on its page; the CLI exits 3 instead.
+    message = f"{trip.message(run_id, root)}; from this form: run_id {run_id} with past_guard on"
+    return Completed(name="Guard stop", message=message, data=metrics)

@@ -460,8 +460,15 @@ def serve(
     from solrl.flows.deployment import sol_rl
 
     strategy = ConcurrencyLimitStrategy.ENQUEUE if on_busy == "wait" else ConcurrencyLimitStrategy.CANCEL_NEW
+    schedule = (
+        f"; a new campaign at cron '{cron}' (UTC)"
+        if cron
+        else f"; a new campaign every {interval:g} s"
+        if interval
+        else ""
+    )
     typer.echo(
-        f"serving sol-rl/{name} (default config {cfg.name}, at most {limit} at once, {on_busy} when busy); "
+        f"serving sol-rl/{name} (default config {cfg.name}, at most {limit} at once, {on_busy} when busy{schedule}); "
         f"trigger from the Prefect UI or `prefect deployment run 'sol-rl/{name}'`",
         err=True,
     )

@@ -127,29 +127,42 @@ def test_on_guard_stop_ends_the_unregularised_preset_at_its_first_sustained_alar
 ):
     """``sol-rl-unregularised`` (lr 1e-3, KL 1e-4) grows a patch-period grid within a few iterations. With the grid
     alarm's floor at 0 (its multiple of the start alone), ``on_guard=stop`` ends the campaign at the evaluation that
-    completes 2 alarms in a row: exit 3, the measure and the last checkpoint before the alarm named, the MLflow run
-    tagged, no later iteration begun. The last good checkpoint exports, and a resume stops at the same place
-    without recomputing anything."""
+    completes 2 alarms in a row: the deployment's flow run in the state "Guard stop", exit 3 at a resume, the measure
+    and the last checkpoint before the alarm named, the MLflow run tagged, no later iteration begun. The resume
+    stops at the same place without recomputing anything, and the last good checkpoint exports."""
     import mlflow
     from typer.testing import CliRunner
 
     from solrl.cli import app
+    from solrl.flows.deployment import sol_rl
     from solrl.stages.pipeline import campaign_plan
     from solrl.storage.runs import open_run
     from solrl.storage.stage import MANIFEST, read_manifest, stage_dir
 
     store = tmp_path / "store"
     settings = ["campaign.on_guard=stop", "campaign.guard_grid_min=0", "campaign.iterations=4"]
-    settings += ["tracking.report_every=0", f"storage.root={store}"]
-    args = ["run", "sol-rl-unregularised", "--run-id", "u", *[a for s in settings for a in ("--set", s)]]
-    result = CliRunner().invoke(app, args)
-    assert result.exit_code == GUARD_STOP_EXIT, result.output
+    settings += ["tracking.report_every=0"]
+    # Started from the Prefect UI's deployment: its flow run ends in the state "Guard stop", which says how to
+    # pass it from the form; `solrl run` and `resume` exit 3 with the same line, naming the command.
+    state = sol_rl(config="sol-rl-unregularised", overrides=settings, run_id="u", store=str(store), return_state=True)
+    assert state.is_completed() and state.name == "Guard stop", state
+    assert state.message.startswith("guard stop (campaign.on_guard=stop): grid_energy alarmed"), state.message
+    assert state.message.endswith("--past-guard`; from this form: run_id u with past_guard on"), state.message
     run = open_run(str(store), "u")
     trip = guard_trip(run.run_dir, run.config, run.config.campaign.iterations)
     assert trip is not None and trip.measure == "grid_energy" and len(trip.evaluated) == 2
     stopped, last_good = trip.iteration, trip.last_good
     assert stopped < 4 and 1 <= last_good == trip.evaluated[0] - 1  # measured: alarms at 2 and 3, last good 1
+    committed = {
+        (i, s): read_manifest(run.run_dir, i, s).created
+        for i, stages in campaign_plan(run.config)[: stopped + 1]
+        for s in stages
+    }
+    result = CliRunner().invoke(app, ["resume", "u", "--store", str(store)])  # stops at the same place
+    assert result.exit_code == GUARD_STOP_EXIT, result.output
+    assert committed == {key: read_manifest(run.run_dir, *key).created for key in committed}  # nothing redone
     line = result.stderr.strip().splitlines()[-1]
+    assert state.message == line.removeprefix("solrl: ") + "; from this form: run_id u with past_guard on"
     assert line.startswith("solrl: guard stop (campaign.on_guard=stop): grid_energy alarmed at 2 evaluation(s)")
     assert f"ended at iteration {stopped}'s checkpoint" in line and "x the starting policy's" in line
     assert "2-pixel patch period" in line
@@ -166,15 +179,6 @@ def test_on_guard_stop_ends_the_unregularised_preset_at_its_first_sustained_alar
     assert exported.exit_code == 0, exported.output
     assert f"iteration {last_good} written to" in exported.output and any((tmp_path / "lora").iterdir())
 
-    committed = {
-        (i, s): read_manifest(run.run_dir, i, s).created
-        for i, stages in campaign_plan(run.config)[: stopped + 1]
-        for s in stages
-    }
-    resumed = CliRunner().invoke(app, ["resume", "u", "--store", str(store)])
-    assert resumed.exit_code == GUARD_STOP_EXIT, resumed.output
-    assert resumed.stderr.strip().splitlines()[-1] == line
-    assert committed == {key: read_manifest(run.run_dir, *key).created for key in committed}
     assert read_manifest(run.run_dir, stopped + 1, "explore") is None
     listed = CliRunner().invoke(app, ["ls", "--store", str(store)], env={"COLUMNS": "200"})
     assert f"guard stop (iter {stopped}: evaluate)" in listed.stdout, listed.output

@@ -186,7 +186,25 @@ def campaigns(prefect, tmp_path_factory: pytest.TempPathFactory) -> dict:
         )
         out["second"], out["first"] = _wait_final(client, second.id), _wait_final(client, first.id)
         out["spans"] = {name: _running_spans(client, r.id) for name, r in (("first", first), ("second", second))}
+        again = client.create_flow_run_from_deployment(  # the complete run again, asking for more iterations
+            deployment.id,
+            parameters={
+                "overrides": OVERRIDES,
+                "base_overrides": ["campaign.iterations=5"],  # as `solrl serve --set` fills it in
+                "iterations": 3,
+                "run_id": "served",
+                "store": str(store),
+            },
+        )
+        out["again"] = _wait_final(client, again.id)
+        out["again_logs"] = _flow_run_logs(client, again.id)
     return out
+
+
+def _flow_run_logs(client, flow_run_id) -> str:
+    from prefect.client.schemas.filters import LogFilter
+
+    return "\n".join(m.message for m in client.read_logs(LogFilter(flow_run_id={"any_": [flow_run_id]})))
 
 
 def test_the_form_describes_every_parameter_and_one_campaign_runs_at_a_time(campaigns):
@@ -220,6 +238,7 @@ def test_both_campaigns_complete_named_tagged_and_committed(prefect, campaigns):
     with _client(prefect) as client:
         for top, run_id, iterations in ((first, first_id, 2), (second, "served", 1)):
             flow_runs, task_runs = _tagged(client, run_id)
+            flow_runs = [fr for fr in flow_runs if fr.id != campaigns["again"].id]  # a later trigger of "served"
             subflows = sorted(fr.name for fr in flow_runs if fr.id != top.id)
             assert subflows == [f"{run_id}-iter{i}" for i in range(1, iterations + 1)]  # one click from the top
             assert all(fr.parent_task_run_id is not None for fr in flow_runs if fr.id != top.id)
@@ -262,11 +281,19 @@ def test_each_iteration_publishes_its_rankings_and_summary_and_the_campaign_its_
         assert {f"{run_id}-rankings", f"{run_id}-summary", "served-summary"} <= latest
 
 
+def test_a_complete_run_triggered_again_says_so_and_names_only_what_this_trigger_set(campaigns):
+    """The form's ``iterations`` cannot extend a stored run: a trigger of a complete run says it is complete, and
+    the settings it ignores are this trigger's own, not the served ``base_overrides``."""
+    again, logs = campaigns["again"], campaigns["again_logs"]
+    assert again.state.is_completed(), logs
+    assert "ignored ['campaign.iterations=3']" in logs, logs
+    assert "run served is complete (1 iteration committed): nothing to do" in logs, logs
+
+
 def test_a_run_killed_mid_update_and_retried_from_the_ui_leaves_no_stale_state(prefect, campaigns):
     """SIGKILL of the flow-run process while update[2] writes; the UI's Retry continues the run: no committed
     stage redone, the dead update[2] task run marked Crashed (none left Running), one subflow per iteration, and
     the log says in solrl's words what was kept."""
-    from prefect.client.schemas.filters import LogFilter
 
     crashed, first, run_id = campaigns["crashed"], campaigns["first"], campaigns["first_id"]
     assert crashed.state.is_crashed(), f"{crashed.state}\n{_logs(prefect)}"
@@ -285,7 +312,7 @@ def test_a_run_killed_mid_update_and_retried_from_the_ui_leaves_no_stale_state(p
         assert updates == [("update[2]", "COMPLETED"), ("update[2]", "CRASHED")]
         names = [tr.name for tr in task_runs]
         assert names.count("explore[2]") == 1 and names.count("explore[1]") == 1  # committed: no task run again
-        logs = "\n".join(m.message for m in client.read_logs(LogFilter(flow_run_id={"any_": [first.id]})))
+        logs = _flow_run_logs(client, first.id)
     assert "committed stages are kept and not recomputed" in logs and "continuing at update[2]" in logs
     assert "ignored" not in logs  # nothing the retry was given would change the stored config
     for (iteration, stage), created in committed.items():
