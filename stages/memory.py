@@ -57,7 +57,7 @@ GPU_SIZES: dict[str, float] = {
 def a_or_an(word: str) -> str:
     """The indefinite article of ``word`` (a number of GiB, a GPU's name) as read aloud: "an" before an eight, an
     eleven, an eighteen or a letter read with a vowel sound (``H100``), else "a"."""
-    return "an" if word[:1] in "8AEFHILMNORSX" or word.split(".")[0] in ("11", "18") else "a"
+    return "an" if word and (word[0] in "8AEFHILMNORSX" or word.split(".")[0] in ("11", "18")) else "a"
 
 
 #: Device memory the plan leaves free: the CUDA context, cuBLAS / NCCL workspaces and allocator fragmentation.

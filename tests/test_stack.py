@@ -477,7 +477,7 @@ def test_dozens_of_task_runs_against_twenty_connections_give_no_pool_or_connecti
             tasks.extend(page)
     shard_runs = {t.name for t in tasks if " shard " in t.name}
     for stage in ("evaluate[0]", "explore[1]", "regenerate[1]", "evaluate[1]"):  # each sharded stage as 8 task runs
-        assert {f"{stage} shard {i}/8" for i in range(8)} <= shard_runs, sorted(shard_runs)
+        assert {f"{stage} shard {i:03d}-of-008" for i in range(8)} <= shard_runs, sorted(shard_runs)
     assert len(tasks) >= 50, len(tasks)
     errors = re.compile(r"QueuePool limit|TooManyConnections|too many clients|remaining connection slots", re.I)
     for name, text in (("a server", stack.log_text()), ("PostgreSQL", stack.pg_log.read_text())):
