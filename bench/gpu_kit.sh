@@ -14,7 +14,7 @@
 # also packs it for a few commands in a row (bench/te_kit.py): the core's library xz-compressed and cut into parts in
 # .te/ (git-ignored), the extension's source built there while the parts travel. .te/CALLS.md lists the calls.
 #
-#   TE=2.16.1 make gpu-kit   # 2.16 is the first with NVFP4's row-scaled activations; about 3 minutes (xz -9)
+#   TE=2.16.1 make gpu-kit   # 2.16 is the first with NVFP4's row-scaled activations; about 2 minutes (xz -9)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv/bin/python}
