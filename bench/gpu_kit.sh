@@ -56,7 +56,8 @@ import hashlib, re, sys, urllib.parse, urllib.request
 version, folder = sys.argv[1:]
 index = "https://pypi.org/simple/transformer-engine-torch/"
 name = f"transformer_engine_torch-{version}.tar.gz"
-found = re.search(rf'href="([^"#]*/{re.escape(name)})#sha256=([0-9a-f]+)"', urllib.request.urlopen(index).read().decode())
+page = urllib.request.urlopen(index).read().decode()
+found = re.search(rf'href="([^"#]*/{re.escape(name)})#sha256=([0-9a-f]+)"', page)
 if not found:
     sys.exit(f"gpu_kit: no {name} in {index}")
 data = urllib.request.urlopen(urllib.parse.urljoin(index, found[1])).read()

@@ -14,7 +14,8 @@
 # bench/gpu_smoke.py (first contact of the Transformer Engine and torchao backends: its tables say why a check did
 # not run); bench/gpu_explore.py at published sizes, eager (throughput, the copy's bytes built against the memory
 # plan's count, peak memory) and compiled for bf16 against torchao_fp8; the memory plan of the same presets. A step
-# that fails or runs out of time leaves the tables written so far and the next step runs. Pick other presets with GPU_PRESETS="sd35-medium flux1-dev".
+# that fails or runs out of time leaves the tables written so far and the next step runs. Pick other presets with
+# GPU_PRESETS="sd35-medium flux1-dev".
 # SMOKE=1 checks the script on a machine without a GPU (tests/test_hardware.py): a tiny twin, every step's table.
 # PY is the Python (python3), WHEELS the wheels' folder (.whl), OUT the tables' (gpu-out).
 set -uo pipefail
