@@ -25,6 +25,7 @@ import ast
 import importlib
 import importlib.util
 import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import entry_points
@@ -96,6 +97,30 @@ def _literal_attributes(node: ast.ClassDef) -> dict[str, Any]:
     return values
 
 
+#: Serialises solrl's own ``ast.parse`` calls: CPython 3.11 keeps the AST constructor's recursion depth per
+#: interpreter, not per thread, so two threads parsing at once can fail with a spurious ``SystemError: AST
+#: constructor recursion depth mismatch`` (python/cpython#106905; seen in a served campaign's flow run).
+_PARSE_LOCK = threading.Lock()
+
+
+def _parse(path: Path, attempts: int = 3) -> ast.Module:
+    """``path`` parsed by ``ast``; the spurious ``SystemError`` above, raised when another thread (a library's)
+    parsed at the same moment, is retried: parsing is pure.
+
+    Raises:
+        SystemError: the same error ``attempts`` times in a row.
+    """
+    source, attempt = path.read_text(encoding="utf-8"), 1
+    while True:
+        try:
+            with _PARSE_LOCK:
+                return ast.parse(source, str(path))
+        except SystemError as exc:
+            if "recursion depth mismatch" not in str(exc) or attempt >= attempts:
+                raise
+            attempt += 1
+
+
 def scan(package: str, decorator: str) -> dict[str, Declared]:
     """Name -> ``Declared`` of every ``@decorator("name")`` in the modules of ``package``, read with ``ast``.
 
@@ -110,7 +135,7 @@ def scan(package: str, decorator: str) -> dict[str, Declared]:
     for folder in (spec.submodule_search_locations or []) if spec else []:
         for path in sorted(Path(folder).glob("*.py")):
             module = package if path.stem == "__init__" else f"{package}.{path.stem}"
-            for node in ast.parse(path.read_text(encoding="utf-8"), str(path)).body:
+            for node in _parse(path).body:
                 if not isinstance(node, ast.ClassDef | ast.FunctionDef):
                     continue
                 for call in node.decorator_list:
@@ -148,6 +173,7 @@ class Registry(Generic[T]):
         self._decorator = decorator
         self._entries: dict[str, T] = {}
         self._index: dict[str, Declared] | None = None
+        self._scanning = threading.Lock()
 
     def register(self, name: str) -> Callable[[T], T]:
         """Decorator: register ``entry`` under ``name``.
@@ -168,9 +194,12 @@ class Registry(Generic[T]):
         return decorator
 
     def index(self) -> dict[str, Declared]:
-        """The built-in plug-ins as their sources declare them (``scan``, once per process)."""
+        """The built-in plug-ins as their sources declare them (``scan``, once per process, whichever thread asks
+        first)."""
         if self._index is None:
-            self._index = scan(self._builtins, self._decorator)
+            with self._scanning:
+                if self._index is None:
+                    self._index = scan(self._builtins, self._decorator)
         return self._index
 
     def names(self) -> list[str]:

@@ -326,6 +326,47 @@ def test_registries_list_and_declare_the_builtin_plugins_without_importing_them(
     assert out[-4:] == ["stabilityai/stable-diffusion-3.5-medium", "None", "False", "[]"], out
 
 
+def test_a_registry_scans_once_across_threads_and_retries_cpythons_spurious_ast_error(monkeypatch):
+    """A served campaign's flow run failed with CPython 3.11's ``SystemError: AST constructor recursion depth
+    mismatch (before=66, after=75)`` from ``LOSSES.index()``'s ``ast.parse``, raised when another thread parses at
+    the same moment (python/cpython#106905). The scan parses under one lock and retries that error; another
+    SystemError, or the same one three times in a row, is raised."""
+    import ast
+    import threading
+
+    from solrl import registry
+
+    calls, real = [], ast.parse
+
+    def flaky(source, filename="<unknown>", *args, **kwargs):
+        calls.append(filename)
+        if len(calls) == 1:  # as seen: the first parse of the scan
+            raise SystemError("AST constructor recursion depth mismatch (before=66, after=75)")
+        return real(source, filename, *args, **kwargs)
+
+    monkeypatch.setattr(registry.ast, "parse", flaky)
+    fresh = registry.Registry("loss", "solrl.stages.losses", "register_loss")
+    indexes: list = []
+    threads = [threading.Thread(target=lambda: indexes.append(fresh.index())) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert {"nft", "flow_grpo"} <= set(indexes[0]) and all(index is indexes[0] for index in indexes)
+    files = len(list(Path(registry.__file__).parents[1].joinpath("stages", "losses").glob("*.py")))
+    assert len(calls) == files + 1  # one scan for the four threads, its first file parsed twice
+
+    def broken(source, filename="<unknown>", *args, **kwargs):
+        raise SystemError("AST constructor recursion depth mismatch (before=1, after=2)")
+
+    monkeypatch.setattr(registry.ast, "parse", broken)
+    with pytest.raises(SystemError, match="recursion depth mismatch"):
+        registry.Registry("loss", "solrl.stages.losses", "register_loss").index()
+    monkeypatch.setattr(registry.ast, "parse", lambda *a, **k: (_ for _ in ()).throw(SystemError("other")))
+    with pytest.raises(SystemError, match="other"):
+        registry.Registry("loss", "solrl.stages.losses", "register_loss").index()
+
+
 def test_the_schema_takes_its_plugin_defaults_from_the_default_preset():
     """The schema names no plug-in: the defaults that name one (and the shipped prompt files) are read from the
     default preset, ``configs.DEFAULT``, so a config built from the schema alone runs its plug-ins."""
