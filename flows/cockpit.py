@@ -161,11 +161,14 @@ def publish_iteration(
     logger: logging.Logger,
     *,
     report: Path | None = None,
+    pool_fate: str | None = None,
+    stop: str | None = None,
 ) -> None:
     """The iteration's artifacts, on the current flow run: ``<run>-rankings`` (a table of the kept seeds of every
-    prompt: rank, explore reward against BF16 reward), ``<run>-summary`` (markdown: proxy fidelity, guards,
-    evaluation, stage seconds, where the pool is stored) and, when ``report`` was written, ``<run>-report`` (a
-    link to the HTML page). One key per campaign and kind: the Artifacts page lists each key's latest version."""
+    prompt: rank, explore reward against BF16 reward), ``<run>-summary`` (markdown: proxy fidelity, guards and the
+    guard ``stop`` that ends the campaign here, evaluation, stage seconds, where the pool is stored and what
+    retention will remove of it, ``pool_fate``) and, when ``report`` was written, ``<run>-report`` (a link to the
+    HTML page). One key per campaign and kind: the Artifacts page lists each key's latest version."""
     from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
     from solrl.storage.stage import read_manifest
@@ -181,7 +184,7 @@ def publish_iteration(
             )
         line = f"HTML report (iteration {iteration}): `{report.resolve().as_uri()}`" if report else None
         create_markdown_artifact(
-            summary_markdown(run_dir, run_id, iteration, stages, report=line),
+            summary_markdown(run_dir, run_id, iteration, stages, report=line, pool_fate=pool_fate, stop=stop),
             key=artifact_key(run_id, "summary"),
             description=f"Summary of {where}",
         )

@@ -29,7 +29,7 @@ from solrl.flows.progress import start as start_progress
 from solrl.flows.runners import shard_submit_options, shard_task_runner
 from solrl.processes import disk_full, stop_signal
 from solrl.stages.context import StageContext
-from solrl.stages.guards import guard_trip
+from solrl.stages.guards import GuardTrip, guard_trip
 from solrl.stages.pipeline import (
     ITERATION,
     STAGES,
@@ -45,7 +45,7 @@ from solrl.stages.sharding import Shard
 from solrl.storage.artifacts import EvalSamples, Selection
 from solrl.storage.html_report import REPORT_DIR, write_report
 from solrl.storage.mirror import publish_folder
-from solrl.storage.retention import after_iteration, prune_run
+from solrl.storage.retention import after_iteration, pool_fate, prune_run
 from solrl.storage.runs import Run, open_run, run_lock
 from solrl.storage.stage import read_manifest, require, stage_dir
 from solrl.storage.tracking import Tracker
@@ -230,8 +230,16 @@ def sol_rl_iteration(
         metrics.update(result["manifest"]["metrics"])
     every = run.config.tracking.report_every  # the campaign's end writes its own (``_log_report``)
     due = bool(every) and iteration % every == 0 and iteration < run.config.campaign.iterations
+    trip = _guard_trip(run, iteration, stages)
     cockpit.publish_iteration(
-        run.run_dir, run_id, iteration, stages, logger, report=_write_report(run) if due else None
+        run.run_dir,
+        run_id,
+        iteration,
+        stages,
+        logger,
+        report=_write_report(run) if due else None,
+        pool_fate=pool_fate(run.config, iteration),
+        stop=trip.message(run_id, run.store) if trip is not None else None,
     )
     return metrics
 
@@ -370,13 +378,19 @@ def run_campaign(store: str, run_id: str) -> dict[str, float]:
     return metrics
 
 
+def _guard_trip(run: Run, iteration: int, stages: list[str]) -> GuardTrip | None:
+    """The guard streak that ends the campaign after ``iteration`` under ``campaign.on_guard=stop`` (None: none,
+    or the run does not stop at guards, or ``stages``, the iteration's, has no evaluation)."""
+    if run.config.campaign.on_guard != "stop" or "evaluate" not in stages:
+        return None
+    return guard_trip(run.run_dir, run.config, iteration, run.guards_passed)
+
+
 def _guard_stopped(run: Run, iteration: int, stages: list[str], tracker: Tracker, logger) -> bool:
     """Under ``campaign.on_guard=stop``, whether the evaluation of ``iteration`` completed a guard streak
     (``solrl.stages.guards.guard_trip``): then it logs why, tags the MLflow run ``solrl.guard_stop`` and the
     campaign ends here, cleanly. The verdict comes from the run store, so a resume stops at the same place."""
-    if run.config.campaign.on_guard != "stop" or "evaluate" not in stages:
-        return False
-    trip = guard_trip(run.run_dir, run.config, iteration, run.guards_passed)
+    trip = _guard_trip(run, iteration, stages)
     if trip is None:
         return False
     message = trip.message(run.run_id, run.store)

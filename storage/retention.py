@@ -75,6 +75,27 @@ def planned(
     return plan
 
 
+def pool_fate(cfg: RunConfig, iteration: int) -> str | None:
+    """What ``storage.pool`` and ``storage.keep_pools`` will remove of ``iteration``'s candidate pool, in words, as
+    the iteration's summary says it while the pool is still whole; None when the pool is kept whole."""
+    rule, mode = cfg.storage.keep_pools, cfg.storage.pool
+    fates = {
+        "latents": "its images once this iteration's checkpoint is committed (every candidate's final latents "
+        "stay: `solrl show` decodes them)",
+        "rankings": "its images and latents once this iteration's checkpoint is committed (its rewards and "
+        "rankings stay)",
+    }
+    parts = [f"{POOL_MODE.format(mode=mode)} removes {fates[mode]}"] if mode in fates else []
+    forever = rule.last is None or (rule.every > 0 and iteration % rule.every == 0)
+    if not forever and iteration + rule.last <= cfg.campaign.iterations:
+        what = "the rest of it" if parts else "its images, latents and trajectories"
+        parts.append(
+            f"{RETENTION} (last={rule.last}, every={rule.every}) removes {what} once iteration "
+            f"{iteration + rule.last}'s checkpoint is committed"
+        )
+    return "; ".join(parts) or None
+
+
 def latest_checkpoint(run_dir: Path, iterations: int) -> int:
     """The last iteration (at most ``iterations``) with a committed checkpoint; 0 when none."""
     for iteration in range(iterations, 0, -1):

@@ -82,11 +82,15 @@ def summary_markdown(
     *,
     store_uri: str | None = None,
     report: str | None = None,
+    pool_fate: str | None = None,
+    stop: str | None = None,
 ) -> str:
     """A markdown page for ``iteration`` of ``run_id``: each section of ``SECTIONS`` that has metrics, the guard
     warnings the stages recorded, the seconds of each committed stage of ``stages``, the per-prompt proxy
     fidelity and where the candidate pool is stored (``store_uri``: the run folder's URI, default its file URI).
-    ``report``: a line saying where the HTML report is, when one was written."""
+    ``report``: a line saying where the HTML report is, when one was written. ``pool_fate``: what retention will
+    remove of the pool (``solrl.storage.retention.pool_fate``). ``stop``: the guard stop that ends the campaign at
+    this iteration (``GuardTrip.message``), first under Guards."""
     manifests: dict[str, StageManifest] = {
         s: m for s in stages if (m := read_manifest(run_dir, iteration, s)) is not None
     }
@@ -103,7 +107,9 @@ def summary_markdown(
     guarded = "diversity, grid energy" + (
         "; proxy fidelity not measured" if fidelity is not None and fidelity.empty else ", proxy fidelity"
     )
-    lines += ["", "## Guards", ""] + (warnings or [f"No guard tripped ({guarded})."])
+    stopped = [f"**The campaign stops here.** {stop}", ""] if stop else []
+    quiet = [] if stop else [f"No guard tripped ({guarded})."]
+    lines += ["", "## Guards", "", *stopped] + (warnings or quiet)
     for title, prefixes in SECTIONS:
         table = _table(metrics, prefixes)
         if table:
@@ -119,7 +125,8 @@ def summary_markdown(
     lines += ["", "## Stored", ""]
     if "explore" in manifests:
         pool = stage_dir(run_dir, iteration, "explore") / CandidatePool.filename
-        lines.append(f"- candidate pool: `{base}/{pool.relative_to(run_dir).as_posix()}`")
+        fate = f"; {pool_fate}" if pool_fate else ""
+        lines.append(f"- candidate pool: `{base}/{pool.relative_to(run_dir).as_posix()}`{fate}")
     lines.append(f"- run store: `{base}`")
     lines.append(f"- audit from a shell: `solrl inspect {run_id} --iteration {iteration}`")
     if report:

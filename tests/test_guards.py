@@ -127,10 +127,13 @@ def test_on_guard_stop_ends_the_unregularised_preset_at_its_first_sustained_alar
 ):
     """``sol-rl-unregularised`` (lr 1e-3, KL 1e-4) grows a patch-period grid within a few iterations. With the grid
     alarm's floor at 0 (its multiple of the start alone), ``on_guard=stop`` ends the campaign at the evaluation that
-    completes 2 alarms in a row: the deployment's flow run in the state "Guard stop", exit 3 at a resume, the measure
-    and the last checkpoint before the alarm named, the MLflow run tagged, no later iteration begun. The resume
-    stops at the same place without recomputing anything, and the last good checkpoint exports."""
+    completes 2 alarms in a row: the deployment's flow run in the state "Guard stop" and its summary saying so, exit 3
+    at a resume, the measure and the last checkpoint before the alarm named, the MLflow run tagged, no later
+    iteration begun. The resume stops at the same place without recomputing anything, and the last good checkpoint
+    exports."""
     import mlflow
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter
     from typer.testing import CliRunner
 
     from solrl.cli import app
@@ -153,6 +156,13 @@ def test_on_guard_stop_ends_the_unregularised_preset_at_its_first_sustained_alar
     assert trip is not None and trip.measure == "grid_energy" and len(trip.evaluated) == 2
     stopped, last_good = trip.iteration, trip.last_good
     assert stopped < 4 and 1 <= last_good == trip.evaluated[0] - 1  # measured: alarms at 2 and 3, last good 1
+    with get_client(sync_client=True) as client:  # the summary artifacts: the stopped iteration's says so first
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(key={"any_": ["u-summary"]}))
+    summaries = {int(a.data.split("iteration ", 1)[1].split("\n", 1)[0]): a.data for a in found}
+    assert sorted(summaries) == list(range(1, stopped + 1))
+    guards = summaries[stopped].split("## Guards\n\n", 1)[1]
+    assert guards.startswith(f"**The campaign stops here.** {state.message.split('; from this form')[0]}\n")
+    assert all("stops here" not in summaries[i] for i in range(1, stopped))
     committed = {
         (i, s): read_manifest(run.run_dir, i, s).created
         for i, stages in campaign_plan(run.config)[: stopped + 1]

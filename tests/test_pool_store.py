@@ -240,8 +240,11 @@ def test_the_pool_is_written_as_it_is_sampled_and_equals_one_call_over_the_whole
 
 def test_retention_keeps_the_expected_pools_of_a_12_iteration_campaign(tmp_path):
     """keep_pools last 3 and every 5th: pools 5, 10, 11, 12 remain (as latents, the default), the rest lose their
-    pool and regenerated samples; every iteration's rankings remain, the run resumes, reports, verifies, and
-    ``solrl show`` of a pruned pool says so in one line."""
+    pool and regenerated samples, as each iteration's summary said; every iteration's rankings remain, the run
+    resumes, reports, verifies, and ``solrl show`` of a pruned pool says so in one line."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter
+
     from solrl.flows.sol_rl import campaign
     from solrl.stages.context import StageContext
     from solrl.stages.pipeline import first_pending
@@ -279,6 +282,19 @@ def test_retention_keeps_the_expected_pools_of_a_12_iteration_campaign(tmp_path)
             )
             manifest = read_manifest(run.run_dir, iteration, "explore")
             assert any(rel.startswith("candidates.zarr/images/") for rel in manifest.files)  # the record stays
+    # Each iteration's summary artifact, written while its pool was whole, said what retention would remove.
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(key={"any_": ["kept-summary"]}))
+    summaries = {int(a.data.split("iteration ", 1)[1].split("\n", 1)[0]): a.data for a in found}
+    assert sorted(summaries) == list(range(1, 13))
+    for iteration, text in summaries.items():
+        (line,) = [line for line in text.splitlines() if line.startswith("- candidate pool: ")]
+        fate = line.split("`; ", 1)[1]
+        assert fate.startswith(
+            "storage.pool=latents removes its images once this iteration's checkpoint is committed"
+        ), line
+        later = f"storage.keep_pools (last=3, every=5) removes the rest of it once iteration {iteration + 3}'s"
+        assert (later in fate) == (iteration not in kept), line
     assert first_pending(StageContext.of(run, 0)) is None
     assert campaign(str(store), run.run_id) is not None  # a resume of the finished run: nothing redone
     assert verify_run(run.run_dir) == []
@@ -311,6 +327,35 @@ def test_retention_keeps_the_expected_pools_of_a_12_iteration_campaign(tmp_path)
     assert first_pending(StageContext.of(run, 0)) is None
     bad = runner.invoke(app, ["prune", "kept", "--store", str(store), "--pool", "pixels"])
     assert bad.exit_code == 2 and "give full, latents or rankings" in bad.stderr
+
+
+@pytest.mark.parametrize(
+    ("settings", "iteration", "says"),
+    [
+        (["storage.pool=full"], 1, None),
+        (["storage.pool=full", "storage.keep_pools={last: 1}"], 2, None),  # the last iteration of 2 is kept
+        (
+            ["storage.pool=full", "storage.keep_pools={last: 0, every: 2}"],
+            1,
+            "storage.keep_pools (last=0, every=2) removes its images, latents and trajectories once iteration 1's "
+            "checkpoint is committed",
+        ),
+        (["storage.pool=full", "storage.keep_pools={last: 0, every: 2}"], 2, None),
+        (
+            ["storage.pool=rankings"],
+            2,
+            "storage.pool=rankings removes its images and latents once this iteration's checkpoint is committed "
+            "(its rewards and rankings stay)",
+        ),
+    ],
+)
+def test_the_summary_says_what_retention_will_remove_of_a_pool(tmp_path, settings, iteration, says):
+    from solrl.storage.retention import kept, pool_fate
+
+    cfg = tiny_config(tmp_path, *settings)
+    assert pool_fate(cfg, iteration) == says
+    if cfg.storage.keep_pools.last is not None:  # what it says of keep_pools is what retention does at the end
+        assert ("keep_pools" not in (says or "")) == kept(cfg, iteration, cfg.campaign.iterations)
 
 
 def test_pool_chunks_are_hashed_as_written_and_a_sharded_pool_is_merged_by_moving_them(tmp_path, monkeypatch):
