@@ -60,8 +60,9 @@ gpu-kit: $(BIN)/.installed
 
 # Two pytest-xdist workers, one test file each at a time (module fixtures stay shared), one thread each
 # (tests/conftest.py): most of the suite waits on subprocesses and servers, so two workers halve its time on two cores.
+# --no-loadscope-reorder: the files in collection order, the longest first (tests/conftest.py's HEAVIEST_FIRST).
 test: lint docs
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 clean:
 	rm -rf $(VENV) runs site .cache/docs
