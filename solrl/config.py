@@ -698,7 +698,14 @@ class RunConfig(_Section):
 
         registered_family(self.model.family).for_source(self.model.source).validate_config(self)
         _registered(EXPLORE_BACKENDS, self.explore.precision, "explore.precision").validate_config(self)
-        _registered(LOSSES, self.train.loss, "train.loss").validate_config(self)
+        loss = _registered(LOSSES, self.train.loss, "train.loss")
+        if missing := getattr(loss, "missing", list)():
+            raise ValueError(
+                f"train.loss={self.train.loss}: {loss.__module__}.{loss.__qualname__} does not define "
+                f"{' or '.join(missing)}, which every loss defines (solrl.stages.losses.PolicyLoss; the extending "
+                "guide's loss page)"
+            )
+        loss.validate_config(self)
         rewards = self.reward
         for name in rewards.weights:
             _registered(REWARDS, rewards.type_of(name), "reward.weights")
@@ -809,19 +816,25 @@ class RunConfig(_Section):
 
 def _registered(registry: Any, name: str, field: str) -> Any:
     """The plug-in ``name`` of ``registry``; ConfigError naming the field and the registered names, then the
-    nearest name (a typo) or, with none near, where a plug-in is looked for (a run made with a plug-in, resumed
-    where it is not importable)."""
+    nearest name (a typo), if any, and where a plug-in is looked for (a run made with a plug-in, resumed where it
+    is not importable: a near built-in name alone sent such a user to the wrong plug-in)."""
     if name not in registry:
         names = registry.names()
         near = difflib.get_close_matches(name, names, n=1)
-        hint = (
-            f"did you mean {near[0]!r}?"
-            if near
-            else f"a plug-in {registry.kind} is imported from SOLRL_PLUGINS or an installed package's "
-            "solrl.plugins entry point"
+        where = (
+            f"a plug-in {registry.kind} is imported from SOLRL_PLUGINS or an installed package's solrl.plugins "
+            "entry point"
         )
+        hint = f"did you mean {near[0]!r}? If not, {where}" if near else where
         raise ConfigError(f"{field}: unknown {registry.kind} {name!r}; registered: {', '.join(names)}; {hint}")
-    return registry.get(name)
+    entry = registry.get(name)
+    declared = getattr(entry, "name", name)
+    if isinstance(declared, str) and declared != name:  # the tables use the registered name, messages this one
+        raise ConfigError(
+            f"{field}: {registry.kind} {name!r} is registered as {name!r} but its class says name = {declared!r}; "
+            "give both the same name"
+        )
+    return entry
 
 
 #: Config fields that lay the work out without changing any result: not part of the config hash, so a run may
@@ -1209,6 +1222,10 @@ def validate_config(data: dict[str, Any], *, plugins: bool = True) -> RunConfig:
     ``plugins=False`` checks the schema only, not the plug-in names and rules: for reading a stored run on a
     machine that lacks some of its plug-ins (``ls``, ``report``); ``check_runnable`` checks them before work.
     """
+    if plugins:  # a broken plug-in module is its own error, not the config's
+        from solrl.registry import load_plugins
+
+        load_plugins()
     try:
         cfg = RunConfig.model_validate(data, context={"plugins": plugins})
     except ValidationError as exc:

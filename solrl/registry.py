@@ -47,23 +47,36 @@ def load_plugins() -> None:
     its first ``commit_hooks`` call.
 
     Raises:
-        ValueError: a plug-in module failed to import (the message names it and its error).
+        solrl.config.ConfigError: a plug-in module failed to import (the message names it, its error and the fix;
+            the commands print it as one line, exit code 2).
     """
     global _plugins_loaded
     if _plugins_loaded:
         return
     _plugins_loaded = True
     named = [
-        (entry.load, f"entry point {entry.name} = {entry.value} ({PLUGIN_GROUP})")
+        (
+            entry.load,
+            f"entry point {entry.name} = {entry.value} ({PLUGIN_GROUP})",
+            "fix it, or uninstall the package that declares it",
+        )
         for entry in entry_points(group=PLUGIN_GROUP)
     ]
     for module in filter(None, (m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(","))):
-        named.append((lambda module=module: importlib.import_module(module), f"module {module} ({PLUGINS_ENV})"))
-    for load, what in named:
+        named.append(
+            (
+                lambda module=module: importlib.import_module(module),
+                f"module {module} ({PLUGINS_ENV})",
+                f"fix it, or remove it from {PLUGINS_ENV}",
+            )
+        )
+    for load, what, fix in named:
         try:
             load()
         except Exception as exc:  # a broken third-party plug-in: name it instead of a traceback
-            raise ValueError(f"plug-in {what} failed to import: {exc.__class__.__name__}: {exc}") from exc
+            from solrl.config import ConfigError
+
+            raise ConfigError(f"plug-in {what} failed to import: {exc.__class__.__name__}: {exc}; {fix}") from exc
 
 
 @dataclass(frozen=True)

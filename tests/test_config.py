@@ -47,7 +47,11 @@ def test_config_is_frozen_and_hash_changes_with_values():
         ),
         (["select.k=40"], r"select.k=40 exceeds explore.pool_size=32"),
         (["explore.precision=fp3"], r"explore.precision: unknown explore precision 'fp3'; registered: bf16, fp8,"),
-        (["explore.precision=nvfp5"], r"unknown explore precision 'nvfp5'; registered: .*; did you mean 'nvfp4'\?$"),
+        (
+            ["explore.precision=nvfp5"],
+            r"unknown explore precision 'nvfp5'; registered: .*; did you mean 'nvfp4'\? If not, a plug-in explore "
+            r"precision is imported from SOLRL_PLUGINS or an installed package's solrl.plugins entry point$",
+        ),
         (
             ["reward.weights={brightness: 1.0}"],
             r"unknown reward 'brightness'; .*; a plug-in reward is imported from SOLRL_PLUGINS or an installed",
@@ -309,6 +313,42 @@ def test_a_plugin_registers_under_its_name_and_the_schema_accepts_it():
         LOSSES.register("nft")(type("Other", (NFT,), {}))
 
 
+def test_a_loss_plugin_without_terms_is_refused_with_the_config_not_at_its_first_update(monkeypatch):
+    """A plug-in loss that defines ``trainable_steps`` but not ``terms`` ran explore to score_regenerate and
+    failed at update with an empty ``NotImplementedError``; the config now names the missing method."""
+    from solrl.registry import LOSSES
+    from solrl.stages.losses.base import PolicyLoss
+    from solrl.stages.losses.nft import NFT
+
+    class NoTerms(PolicyLoss):
+        name = "noterms"
+
+        @classmethod
+        def trainable_steps(cls, batch):
+            return [0]
+
+    monkeypatch.setitem(LOSSES._entries, "noterms", NoTerms)  # as register_loss("noterms") does, undone after
+    assert NFT.missing() == [] and NoTerms.missing() == ["terms"]
+    with pytest.raises(ConfigError, match=r"^invalid config: train.loss=noterms: .*NoTerms does not define terms, "):
+        load_config("tiny-digits", ["train.loss=noterms"])
+
+
+def test_a_plugin_whose_name_attribute_is_not_its_registered_name_is_refused(monkeypatch):
+    """reward.md said ``name`` is what the tables use; they use the registered name, and a run with
+    ``register_reward("misnamed")`` and ``name = "something_else"`` went through, its messages naming the other."""
+    from solrl.registry import REWARDS
+    from solrl.stages.rewards import Reward
+
+    class Misnamed(Reward):
+        name = "something_else"
+        parameters = 0
+
+    monkeypatch.setitem(REWARDS._entries, "misnamed", Misnamed)
+    message = "reward 'misnamed' is registered as 'misnamed' but its class says name = 'something_else'; give both"
+    with pytest.raises(ConfigError, match=f"^invalid config: reward.evaluate: {message}"):
+        load_config("tiny-digits", ["reward.evaluate=[misnamed]"])
+
+
 def test_registries_list_and_declare_the_builtin_plugins_without_importing_them():
     """Issue 37: listing a registry and reading a family's published weights imports no plug-in, nor torch."""
     import subprocess
@@ -447,6 +487,15 @@ def test_a_module_named_in_solrl_plugins_registers_and_a_broken_one_is_named(tmp
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
     assert done.returncode == 1
     assert "plug-in module broken_plugin (SOLRL_PLUGINS) failed to import: ImportError: no such thing" in done.stderr
+    # A command says it in one line, exit 2, whether or not the config names the plug-in (it was a traceback, exit 1).
+    done = subprocess.run(
+        [sys.executable, "-m", "solrl.cli", "plan", "tiny-digits"], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 2 and done.stdout == "", done.stderr[-2000:]
+    assert done.stderr == (
+        "solrl: error: plug-in module broken_plugin (SOLRL_PLUGINS) failed to import: ImportError: no such thing; "
+        "fix it, or remove it from SOLRL_PLUGINS\n"
+    )
 
 
 def test_a_module_registers_by_being_in_the_package_and_is_imported_when_its_name_is_used(tmp_path, monkeypatch):
