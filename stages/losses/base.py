@@ -49,6 +49,16 @@ class PolicyLoss:
     #: update; the update warns above it. None: the rollout lags the policy by design (no bound).
     on_policy_bound: ClassVar[float | None] = None
 
+    #: The methods a loss must define: the update calls them, and ``PolicyLoss``'s raise NotImplementedError.
+    required: ClassVar[tuple[str, ...]] = ("trainable_steps", "terms")
+
+    @classmethod
+    def missing(cls) -> list[str]:
+        """The methods of ``required`` this loss does not define (it inherits ``PolicyLoss``'s), checked with the
+        config: a plug-in without ``terms`` failed only at its first update, with an empty NotImplementedError."""
+        own = cls.__mro__[: cls.__mro__.index(PolicyLoss)]  # the classes between this loss and PolicyLoss
+        return [name for name in cls.required if not any(name in vars(k) for k in own)]
+
     @classmethod
     def options(cls, tc: TrainConfig) -> LossOptions:
         """This loss's options from ``train.loss_options`` (resolved with the config; validated again here for a
