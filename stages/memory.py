@@ -314,6 +314,8 @@ def measure(
         ConfigError: the family's configs are neither in ``model.path`` nor shipped with solrl; or the backend of
             ``explore.precision`` cannot count its copy (``copy_bytes`` raised, or returned no int >= 0). Another
             backend that cannot is left out of ``explore_copy``.
+        NotImplementedError: the family implements no memory plan, or its velocity or decode does not run on the
+            meta device (the message names the family and says so).
     """
     from peft import LoraConfig
 
@@ -352,8 +354,18 @@ def measure(
                 f"plan: copy_bytes {exc.__class__.__name__}: {exc}"
             ) from exc
         explore_copy[name] = int(counted)
-    train = [train_bytes(adapter, b, False) for b in (1, 2)]
-    checkpointed = _linear(lambda b: train_bytes(adapter, b, True)[0])
+    try:
+        train = [train_bytes(adapter, b, False) for b in (1, 2)]
+        checkpointed = _linear(lambda b: train_bytes(adapter, b, True)[0])
+        sample, decode = _linear(lambda b: _sample_bytes(adapter, b)), _linear(lambda b: _decode_bytes(adapter, b))
+    except (NotImplementedError, RuntimeError, TypeError) as exc:  # "Cannot copy out of meta tensor; no data!"
+        if "meta" not in str(exc):
+            raise
+        raise NotImplementedError(
+            f"model family {cfg.model.family} does not run on the meta device, where the memory plan runs its "
+            f"velocity and decode with no data ({exc}): something there reads a tensor's values; keep them to "
+            "tensor operations (the extending guide's family page)"
+        ) from exc
     return Footprint(
         family=cfg.model.family,
         resolution=getattr(adapter, "resolution", 0) or adapter.latent_shape[-1],
@@ -368,8 +380,8 @@ def measure(
         train=Linear(max(0, 2 * train[0][0] - train[1][0]), max(0, train[1][0] - train[0][0])),
         train_checkpointed=checkpointed,
         saved=Linear(max(0, 2 * train[0][1] - train[1][1]), max(0, train[1][1] - train[0][1])),
-        sample=_linear(lambda b: _sample_bytes(adapter, b)),
-        decode=_linear(lambda b: _decode_bytes(adapter, b)),
+        sample=sample,
+        decode=decode,
         source=source,
     )
 

@@ -349,3 +349,25 @@ def test_a_plug_in_explore_backend_is_planned_with_its_own_copy_and_cannot_break
     finally:
         for backend in (Counted, Broken, Negative):
             EXPLORE_BACKENDS._entries.pop(backend.name, None)
+
+
+def test_a_family_whose_velocity_reads_tensor_values_is_named_not_planned(tmp_path, monkeypatch):
+    """A plug-in family whose velocity copied a tensor to the host (Lumina 2's rotary table) failed ``solrl plan``
+    with torch's bare "Cannot copy out of meta tensor; no data!"; the plan now names the family and the cause, and
+    ``run`` goes on with the plan's line saying why there is none."""
+    cfg = tiny_config(tmp_path)
+    family = model_family(cfg.model)
+    velocity = family.velocity
+
+    def host_reading(self, net, x, sigma, cond):
+        sigma.tolist()  # what a rotary table built on the host does
+        return velocity(self, net, x, sigma, cond)
+
+    monkeypatch.setattr(family, "velocity", host_reading)
+    with pytest.raises(NotImplementedError, match=r"^model family tiny-digits does not run on the meta device, where"):
+        measure(cfg)
+    monkeypatch.setenv(DEVICE_MEMORY_ENV, str(80 * 2**30))
+    monkeypatch.setenv("SOLRL_CACHE", str(tmp_path / "cache"))  # no cached footprint: measured again
+    line = check_memory(cfg)
+    assert line.startswith("memory plan: none (model family tiny-digits does not run on the meta device"), line
+    assert "Cannot copy out of meta tensor; no data!" in line and "the extending guide's family page" in line
