@@ -368,14 +368,19 @@ def run(
     config: Annotated[str | None, typer.Argument(help="Preset name (configs/*.yaml) or YAML path.")] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="Override: section.key=value (YAML value).")] = None,
     run_id: Annotated[str | None, typer.Option("--run-id", help="Name of the run (default: preset-time-hex).")] = None,
+    store: Annotated[
+        str | None,
+        typer.Option("--store", help="Run store: the same as --set storage.root=STORE (default: the config's)."),
+    ] = None,
     force: ForceOption = False,
 ) -> None:
     """Start a new campaign from a preset (default tiny-digits)."""
     made: list[str] = []  # [run id, store] once the run exists
     _quiet_environment()  # before the checks: they must see the HF_HUB_OFFLINE the run will load weights with
+    overrides = [*(set_ or []), *([f"storage.root={store}"] if store is not None else [])]
     with _stoppable(made):
         try:
-            cfg = load_config(config, set_ or [], plugins=False)  # the schema: nothing imports torch yet
+            cfg = load_config(config, overrides, plugins=False)  # the schema: nothing imports torch yet
             check_published_weights(cfg.model)  # so a missing download fails at once
             cfg = validate_config(cfg.model_dump(mode="json"))  # the plug-ins' own rules
             refuse_ignored_settings(cfg)  # a new run's: a stored run resumes with what it began with

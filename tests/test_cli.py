@@ -346,6 +346,9 @@ def test_the_commands_that_messages_suggest_run_as_pasted_from_a_store_with_a_sp
     assert shlex.split(resume) == ["solrl", "resume", "r", "--store", str(store)]
     assert shlex.split(ls) == ["solrl", "ls", "--store", str(store)]
     assert runner.invoke(app, shlex.split(ls)[1:]).exit_code == 0
+    # `run` takes --store too, as every command it suggests does: the same as --set storage.root.
+    same = runner.invoke(app, ["run", "--run-id", "r", "--store", str(store)])
+    assert same.exit_code == 2 and same.stderr == again.stderr
 
 
 def test_a_run_whose_plugin_is_not_installed_here_lists_and_reports_but_does_not_continue(tmp_path: Path):
