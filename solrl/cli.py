@@ -886,7 +886,8 @@ def verify(
     ] = False,
     store: StoreOption = "runs",
 ) -> None:
-    """Re-hash every committed file of a run against its manifest and name any that differ (exit 1).
+    """Re-hash every committed file of a run against its manifest and name any that differ or cannot be read, and
+    any stage not committed before a committed one (exit 1).
 
     A file's sha256 is computed once, when its stage commits it; campaigns, resumes and audits then check only
     sizes, so this is where a flipped byte is found."""
@@ -910,11 +911,26 @@ def verify(
                 progress.update(task, completed=len(seen), description=f"iteration {iteration} {stage}")
 
         found = verify_run(run_.run_dir, advance)
+    from solrl.stages.pipeline import campaign_plan
+
+    plan = [(i, s) for i, names in campaign_plan(run_.config) for s in names]
+    last = max((k for k, key in enumerate(plan) if key in set(stages)), default=-1)
+    gaps = [key for key in plan[:last] if key not in set(stages)]  # uncommitted, a later stage committed
+    resume = _command("resume", run_id, "--store", store)
+    if gaps:
+        shown = ", ".join(f"iteration {i} {s}" for i, s in gaps[:8]) + (" ..." if len(gaps) > 8 else "")
+        typer.echo(
+            f"not committed, though a later stage is: {shown} (uncommitted by `verify --redo`, or deleted); "
+            f"`{resume}` recomputes {'it' if len(gaps) == 1 else 'them'}"
+        )
     if not found:
+        if gaps:
+            raise typer.Exit(1)
         typer.echo(f"run {run_id}: every file of its {len(stages)} committed stages matches its manifest")
         return
+    problems = {"size": "another size than committed", "sha256": "other bytes than committed (sha256)"}
     for bad in found:
-        typer.echo(f"iteration {bad.iteration} {bad.stage}: {bad.file}: {bad.problem}")
+        typer.echo(f"iteration {bad.iteration} {bad.stage}: {bad.file}: {problems.get(bad.problem, bad.problem)}")
     changed = sorted({(bad.iteration, bad.stage) for bad in found})
     if redo:
         try:
@@ -923,10 +939,7 @@ def verify(
                     uncommit(run_.run_dir, iteration, stage)
         except ConfigError as exc:
             _fail(str(exc))
-        typer.echo(
-            f"{len(changed)} stage(s) uncommitted; `{_command('resume', run_id, '--store', store)}` recomputes "
-            "them and whatever depends on them"
-        )
+        typer.echo(f"{len(changed)} stage(s) uncommitted; `{resume}` recomputes them and whatever depends on them")
     else:
         redo_command = _command("verify", run_id, "--store", store, "--redo")
         typer.echo(f"{len(changed)} stage(s) changed; `{redo_command}` uncommits them")

@@ -622,7 +622,8 @@ class Mismatch:
     iteration: int
     stage: str
     file: str
-    #: ``missing``, ``size`` (another size than recorded) or ``sha256`` (same size, other bytes).
+    #: ``missing``, ``size`` (another size than recorded), ``sha256`` (same size, other bytes) or
+    #: ``unreadable (<why>)`` (it cannot be read: a folder in its place, no permission, an I/O error).
     problem: str
 
 
@@ -652,8 +653,8 @@ def verify_run(run_dir: Path, on_file: Callable[[int, str, str], None] | None = 
     (streamed, not kept). ``on_file(iteration, stage, file)`` is called before each file (progress).
 
     Returns:
-        the files that differ, in run order; a stage whose manifest is unreadable gives one ``Mismatch`` with
-        file ``_MANIFEST.json`` and problem ``unreadable``.
+        the files that differ or cannot be read, in run order; a stage whose manifest is unreadable gives one
+        ``Mismatch`` with file ``_MANIFEST.json`` and problem ``unreadable``.
     """
     place = locate(run_dir)
     found: list[Mismatch] = []
@@ -680,6 +681,9 @@ def verify_run(run_dir: Path, on_file: Callable[[int, str, str], None] | None = 
                     size, digest = path.stat().st_size, _sha256(path)
             except FileNotFoundError:
                 found.append(Mismatch(iteration, stage, rel, "missing"))
+                continue
+            except OSError as exc:  # a folder in its place, a link loop, no permission, a disk's I/O error
+                found.append(Mismatch(iteration, stage, rel, f"unreadable ({exc.strerror or exc})"))
                 continue
             if size != entry.size:
                 found.append(Mismatch(iteration, stage, rel, "size"))

@@ -403,10 +403,46 @@ def test_a_committed_file_changed_in_place_is_found_by_verify_and_pending_again_
     assert first_pending(ctx0) == (1, "explore")
     store = str(run.run_dir.parent)
     found = runner.invoke(app, ["verify", "r", "--store", store, "--redo"])
-    assert found.exit_code == 1 and "iteration 0 evaluate: metrics.parquet: sha256" in found.output
+    assert found.exit_code == 1, found.output
+    assert "iteration 0 evaluate: metrics.parquet: other bytes than committed (sha256)" in found.output
     assert first_pending(ctx0) == (0, "evaluate")
     table.write_bytes(table.read_bytes()[:-1])  # a truncated file: the size tells, no verify needed
     assert first_pending(ctx0) == (0, "evaluate")
+
+
+def test_verify_names_an_unreadable_file_and_a_stage_missing_before_a_committed_one(tmp_path: Path):
+    """A breaker's findings: a committed file replaced by a folder (as a link loop, no permission or a disk's I/O
+    error would) crashed ``verify`` and ``--redo`` with a traceback; a deleted iteration or manifest before
+    committed stages passed as "every file matches"."""
+    import shutil
+
+    from solrl.stages.context import StageContext
+    from solrl.stages.pipeline import run_stage
+    from solrl.storage.stage import read_manifest, stage_dir
+
+    run = _committed_run(tmp_path)
+    for stage in ("explore", "score_explore"):
+        run_stage(StageContext.of(run, 1), stage)
+    store = str(run.run_dir.parent)
+    rewards = stage_dir(run.run_dir, 1, "score_explore") / "rewards.parquet"
+    rewards.unlink()
+    rewards.mkdir()
+    for args in ([], ["--redo"]):
+        found = runner.invoke(app, ["verify", "r", "--store", store, *args])
+        assert found.exit_code == 1 and isinstance(found.exception, SystemExit), found.output  # no traceback
+        assert "iteration 1 score_explore: rewards.parquet: unreadable (Is a directory)" in found.output, found.output
+    assert read_manifest(run.run_dir, 1, "score_explore") is None and "1 stage(s) uncommitted" in found.output
+    rewards.rmdir()
+    run_stage(StageContext.of(run, 1), "score_explore")
+    assert runner.invoke(app, ["verify", "r", "--store", store]).exit_code == 0
+
+    shutil.rmtree(stage_dir(run.run_dir, 1, "explore"))  # deleted, with a later stage committed
+    found = runner.invoke(app, ["verify", "r", "--store", store])
+    assert found.exit_code == 1, found.output
+    assert found.output.startswith(
+        "not committed, though a later stage is: iteration 1 explore (uncommitted by `verify --redo`, or deleted); "
+        f"`solrl resume r --store {store}` recomputes it\n"
+    )
 
 
 def test_bad_output_paths_are_one_line_errors(tmp_path: Path):

@@ -134,6 +134,7 @@ def test_verify_names_a_flipped_byte_and_redo_makes_resume_recompute_it(tmp_path
 
     cfg = tiny_config(tmp_path, "campaign.iterations=1", "fidelity.audit_every=0")
     run = create_run(cfg, "v")
+    run_stage(StageContext.of(run, 0), "evaluate")
     for name in ("explore", "score_explore", "select"):
         run_stage(StageContext.of(run, 1), name)
     chunk = next(
@@ -141,14 +142,14 @@ def test_verify_names_a_flipped_byte_and_redo_makes_resume_recompute_it(tmp_path
     )
     flip_middle_byte(chunk)
     ctx0 = StageContext.of(run, 0)
-    assert first_pending(ctx0) == (0, "evaluate")  # resume reads manifests and sizes only
+    assert first_pending(ctx0) == (1, "regenerate")  # resume reads manifests and sizes only
     assert require(run.run_dir, 1, "explore")  # same size: a reader cannot tell
     bad = verify_run(run.run_dir)
     assert [(b.iteration, b.stage, b.problem) for b in bad] == [(1, "explore", "sha256")]
     assert bad[0].file == chunk.relative_to(stage_dir(run.run_dir, 1, "explore")).as_posix()
 
     result = runner.invoke(app, ["verify", "v", "--store", str(tmp_path)])
-    assert result.exit_code == 1 and f"iteration 1 explore: {bad[0].file}: sha256" in result.output
+    assert result.exit_code == 1 and f"iteration 1 explore: {bad[0].file}: other bytes than committed" in result.output
     assert "--redo" in result.output
     result = runner.invoke(app, ["verify", "v", "--store", str(tmp_path), "--redo"])
     assert result.exit_code == 1 and "1 stage(s) uncommitted" in result.output
@@ -157,7 +158,7 @@ def test_verify_names_a_flipped_byte_and_redo_makes_resume_recompute_it(tmp_path
     select = read_manifest(run.run_dir, 1, "select")  # so what depends on them stays committed
     assert select.inputs_hash == stage_key(StageContext.of(run, 1), STAGES["select"])
     result = runner.invoke(app, ["verify", "v", "--store", str(tmp_path)])
-    assert result.exit_code == 0 and "every file of its 3 committed stages matches" in result.output
+    assert result.exit_code == 0 and "every file of its 4 committed stages matches" in result.output
 
 
 def test_a_stage_redone_after_its_pool_was_pruned_redoes_the_pool_first_and_a_complete_run_is_pruned(tmp_path):
