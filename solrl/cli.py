@@ -801,7 +801,7 @@ def inspect(
     from rich.console import Console
     from rich.table import Table
 
-    from solrl.storage.artifacts import FidelityTable
+    from solrl.storage.artifacts import CandidatePool, FidelityTable
     from solrl.storage.audit import audit_iteration
 
     run_, iteration, due = _open_iteration(store, run_id, iteration)
@@ -838,12 +838,14 @@ def inspect(
         for folder, why in sorted(explore.pruned.items()):
             by.setdefault(why, []).append(folder.rsplit("/", 1)[-1])
         gone = [name for names in by.values() for name in names]
+        # a pool sampled under storage.pool=rankings never wrote its latents: none were pruned, none remain
+        latents_kept = "latents" not in gone and explore.holds(CandidatePool.array_folder("latents"))
         see = f"`{_command('show', run_id, '--iteration', iteration, '--prompt', 0, '--store', store)}`"
         console.print(
             "candidate pool: "
             + "; ".join(f"{' and '.join(names)} pruned by {why}" for why, names in by.items())
             + "; "
-            + (f"its latents remain: {see} decodes them" if "latents" not in gone else "rankings above remain")
+            + (f"its latents remain: {see} decodes them" if latents_kept else "rankings above remain")
         )
     show("kept seeds", found.selection, f"select {state_of('select')}")
     show(

@@ -82,7 +82,7 @@ def pool_fate(cfg: RunConfig, iteration: int) -> str | None:
     fates = {
         "latents": "its images once this iteration's checkpoint is committed (every candidate's final latents "
         "stay: `solrl show` decodes them)",
-        "rankings": "its images and latents once this iteration's checkpoint is committed (its rewards and "
+        "rankings": "its images, and any latents, once this iteration's checkpoint is committed (its rewards and "
         "rankings stay)",
     }
     parts = [f"{POOL_MODE.format(mode=mode)} removes {fates[mode]}"] if mode in fates else []

@@ -535,3 +535,26 @@ def test_a_run_folder_without_its_run_json_is_not_taken_over_by_a_new_run(tmp_pa
         "there would take its committed stages for its own; move the folder away or pick another run id"
     )
     assert sorted(p.name for p in (store / "A").rglob("*")) == ["_MANIFEST.json", "evaluate", "iter_000002"]
+
+
+def test_inspect_of_a_rankings_pool_does_not_offer_latents_it_never_wrote(tmp_path: Path):
+    """A breaker's finding: under storage.pool=rankings explore writes no latents, and once its images were pruned
+    ``inspect`` said "its latents remain: `solrl show ...` decodes them", which ``show`` then refused."""
+    from conftest import tiny_config
+
+    from solrl.stages.context import StageContext
+    from solrl.stages.pipeline import campaign_plan, run_stage
+    from solrl.storage.retention import after_iteration
+    from solrl.storage.runs import create_run
+
+    cfg = tiny_config(tmp_path / "store", "storage.pool=rankings", "campaign.iterations=1", "fidelity.audit_every=0")
+    run = create_run(cfg, "rk")
+    for iteration, stages in campaign_plan(cfg):
+        for stage in stages:
+            if stage != "evaluate":
+                run_stage(StageContext.of(run, iteration), stage)
+    assert after_iteration(cfg, run.run_dir, 1) > 0
+    inspected = runner.invoke(app, ["inspect", "rk", "--store", str(tmp_path / "store"), "--iteration", "1"])
+    text = inspected.output.replace("\n", " ")
+    assert inspected.exit_code == 0 and "images pruned by storage.pool=rankings; rankings above remain" in text, text
+    assert "latents remain" not in text

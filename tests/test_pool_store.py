@@ -345,7 +345,7 @@ def test_retention_keeps_the_expected_pools_of_a_12_iteration_campaign(tmp_path)
         (
             ["storage.pool=rankings"],
             2,
-            "storage.pool=rankings removes its images and latents once this iteration's checkpoint is committed "
+            "storage.pool=rankings removes its images, and any latents, once this iteration's checkpoint is committed "
             "(its rewards and rankings stay)",
         ),
     ],
