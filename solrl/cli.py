@@ -684,6 +684,7 @@ def report(
     from solrl.stages.pipeline import ITERATION
     from solrl.storage.report import collect_metrics
     from solrl.storage.runs import open_run
+    from solrl.storage.stage import replaced_atomically
 
     try:
         run_ = open_run(store, run_id)
@@ -738,7 +739,8 @@ def report(
             ax.grid(alpha=0.3)
         fig.tight_layout()
         try:
-            fig.savefig(plot_path, dpi=110)
+            with replaced_atomically(plot_path) as tmp:
+                fig.savefig(tmp, dpi=110)
         except OSError as exc:
             _fail(f"--plot {plot_path}: cannot write the PNG there ({exc.strerror or exc})")
         typer.echo(f"curves saved to {plot_path}")
@@ -749,9 +751,10 @@ def report(
         from solrl.storage.html_report import render_html
 
         try:
-            html_path.write_text(
-                render_html(run_, [s.name for s in ITERATION], campaign_plan(run_.config)), encoding="utf-8"
-            )
+            with replaced_atomically(html_path) as tmp:  # a full disk leaves an earlier page whole
+                tmp.write_text(
+                    render_html(run_, [s.name for s in ITERATION], campaign_plan(run_.config)), encoding="utf-8"
+                )
         except OSError as exc:
             _fail(f"--html {html_path}: cannot write the page there ({exc.strerror or exc})")
         typer.echo(f"report page written to {html_path}")
@@ -963,7 +966,7 @@ def show(
 
     from solrl.stages.metrics.grid import save_pool_grid
     from solrl.storage.audit import PoolPruned, pool_view
-    from solrl.storage.stage import StageNotCommitted
+    from solrl.storage.stage import StageNotCommitted, replaced_atomically
 
     run_, iteration, stages = _open_iteration(store, run_id, iteration)
     if "explore" not in stages:
@@ -1004,14 +1007,15 @@ def show(
     out_path = target / f"{run_id}-iter{iteration}-prompt{view.group}.png" if into_folder else target
     kept = sum(k is not None for k in view.kept_as)
     try:
-        save_pool_grid(
-            view.images,
-            view.rewards,
-            view.candidates,
-            view.kept_as,
-            out_path,
-            title=f"{run_id} iteration {iteration}: {view.prompt} ({len(view.rewards)} candidates, {kept} kept)",
-        )
+        with replaced_atomically(out_path) as tmp:  # a full disk leaves an earlier picture whole
+            save_pool_grid(
+                view.images,
+                view.rewards,
+                view.candidates,
+                view.kept_as,
+                tmp,
+                title=f"{run_id} iteration {iteration}: {view.prompt} ({len(view.rewards)} candidates, {kept} kept)",
+            )
     except OSError as exc:
         _fail(f"--out {out_path}: cannot write the PNG there ({exc.strerror or exc})")
     how = f", decoded from its latents by the {decoded[0]} model" if decoded else ""

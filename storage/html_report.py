@@ -26,7 +26,7 @@ import yaml
 
 from solrl.storage.artifacts import EvalSamples, FidelityTable, Selection
 from solrl.storage.report import collect_metrics
-from solrl.storage.runs import Run
+from solrl.storage.runs import Run, solrl_command
 from solrl.storage.stage import output_dir, read_manifest
 
 #: (title, metric prefixes or names) of the curve figures, in page order.
@@ -238,8 +238,9 @@ def render_html(
         parts.append(heading + "<div class='pair'>" + "".join(shown) + "</div>")
     if failed:
         parts.append(
-            "<p><b>Not shown, failing verification</b> (a file changed since it was committed; <code>solrl resume "
-            f"{html.escape(run.run_id)}</code> recomputes them): {html.escape('; '.join(failed))}</p>"
+            "<p><b>Not shown, failing verification</b> (a file changed since it was committed; <code>"
+            f"{html.escape(solrl_command('verify', run.run_id, '--store', run.store, '--redo'))}</code> uncommits "
+            f"them and <code>solrl resume</code> recomputes them): {html.escape('; '.join(failed))}</p>"
         )
     config = yaml.safe_dump(run.config.model_dump(mode="json"), sort_keys=False)
     parts.append(f"<h2 id='config'>Config</h2><pre>{html.escape(config)}</pre>")

@@ -28,7 +28,7 @@ import socket
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -231,6 +231,23 @@ def _forget_written(root: Path) -> None:
     prefix = f"{Path(root).absolute()}/"
     for key in [k for k in _WRITTEN if k.startswith(prefix)]:
         del _WRITTEN[key]
+
+
+@contextlib.contextmanager
+def replaced_atomically(path: Path) -> Iterator[Path]:
+    """A temporary path beside ``path``, with its suffix (a writer that picks its format by it still does), which
+    replaces ``path`` once the block ends without error: a full disk or a crash leaves the earlier file whole, or
+    none, never half of one. The temporary file is removed whatever happens.
+
+    Raises:
+        OSError: what writing or replacing raised (the earlier ``path`` is untouched).
+    """
+    tmp = path.with_name(f".{path.stem}.tmp-{uuid.uuid4().hex[:8]}{path.suffix}")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def write_json_atomic(path: Path, data: Any) -> None:

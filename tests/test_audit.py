@@ -324,6 +324,8 @@ def test_report_html_does_not_embed_an_image_that_fails_verification(finished: P
     text = page.read_text()
     assert "Not shown, failing verification" in text and "iteration 2: select" in text
     assert "best and worst, iteration 2" not in text and "best and worst, iteration 1" in text
+    # The fix it names is verify --redo: a resume checks sizes, and the flipped byte kept the size.
+    assert f"<code>solrl verify done --store {store} --redo</code> uncommits them and" in text
 
 
 def test_show_writes_into_a_folder_and_refuses_an_out_that_is_not_a_png(finished: Path, tmp_path: Path):

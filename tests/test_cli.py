@@ -558,3 +558,22 @@ def test_inspect_of_a_rankings_pool_does_not_offer_latents_it_never_wrote(tmp_pa
     text = inspected.output.replace("\n", " ")
     assert inspected.exit_code == 0 and "images pruned by storage.pool=rankings; rankings above remain" in text, text
     assert "latents remain" not in text
+
+
+def test_a_full_disk_while_writing_the_report_page_leaves_the_earlier_page_whole(tmp_path: Path, monkeypatch):
+    """A breaker's finding: ``report --html`` onto an earlier page on a full disk left a truncated fragment of it
+    (written in place); the page, the ``--plot`` PNG and ``show``'s picture now replace the old file only whole."""
+    run = _committed_run(tmp_path)
+    store, page = str(run.run_dir.parent), tmp_path / "r.html"
+    assert runner.invoke(app, ["report", "r", "--store", store, "--html", str(page)]).exit_code == 0
+    earlier = page.read_bytes()
+    write_text = Path.write_text
+
+    def disk_fills(self, data, *args, **kwargs):
+        write_text(self, data[:100], *args, **kwargs)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", disk_fills)
+    result = runner.invoke(app, ["report", "r", "--store", store, "--html", str(page)])
+    assert result.exit_code == 2 and "cannot write the page there (No space left on device)" in result.stderr
+    assert page.read_bytes() == earlier and sorted(p.name for p in tmp_path.iterdir()) == ["r.html", "store"]
