@@ -1145,6 +1145,12 @@ def export(
             f"run {run_id} has no committed checkpoint at iteration {iteration}; committed: "
             f"{', '.join(map(str, committed)) or 'none'}"
         )
+    if read_manifest(run_.run_dir, iteration, "checkpoint", verify=True) is None:  # hashed: the weights leave here
+        _fail(
+            f"run {run_id}: the checkpoint of iteration {iteration} fails verification (a file's bytes changed since "
+            f"it was committed); `{_command('verify', run_id, '--store', store, '--redo')}` uncommits it and "
+            "`solrl resume` recomputes it"
+        )
     cfg = run_.config.model_copy(update={"model": run_.config.model.model_copy(update={"device": "cpu"})})
     context = StageContext(cfg, run_.run_dir, run_id, iteration)
     try:

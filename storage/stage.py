@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import shutil
 import socket
 import sys
@@ -482,9 +483,10 @@ def require(
     if verify is not None:
         for rel, entry in manifest.present().items():
             if (rel == verify or rel.startswith(f"{verify}/")) and _sha256(folder / rel) != entry.sha256:
+                redo = shlex.join(["solrl", "verify", run_dir.name, "--store", locate(run_dir).store.address, "--redo"])
                 raise StageNotCommitted(
                     f"iteration {iteration} stage {stage!r}: {rel} changed since it was committed (sha256); "
-                    f"`solrl verify --redo` uncommits the stage"
+                    f"`{redo}` uncommits the stage"
                 )
     return folder, manifest
 

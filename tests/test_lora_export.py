@@ -157,6 +157,17 @@ def test_checkpoint_stage_and_solrl_export_write_a_loadable_lora(tmp_path: Path,
     asked = runner.invoke(app, ["export", "export", "--out", str(tmp_path / "x"), "--store", store, "--iteration", "2"])
     assert asked.exit_code == 2 and asked.stderr.startswith(f"solrl: error: run export: {fails}"), asked.output
 
+    # a byte flipped in the checkpoint's LoRA keeps its size: only a hash tells, and export is where it leaves
+    from conftest import flip_middle_byte
+
+    flip_middle_byte(in_checkpoint / LORA_WEIGHTS)
+    changed = runner.invoke(app, ["export", "export", "--out", str(tmp_path / "y"), "--store", store])
+    assert changed.exit_code == 2 and not (tmp_path / "y").exists(), changed.output
+    assert changed.stderr.strip().splitlines()[-1] == (  # after the warning about iteration 2's
+        "solrl: error: run export: the checkpoint of iteration 1 fails verification (a file's bytes changed since it "
+        f"was committed); `solrl verify export --store {store} --redo` uncommits it and `solrl resume` recomputes it"
+    )
+
 
 def test_the_exported_metadata_is_canonical_so_a_redone_checkpoint_keeps_its_bytes(tmp_path: Path):
     import json
