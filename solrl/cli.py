@@ -1068,9 +1068,11 @@ def prune(
         _fail(str(exc))
     except ValueError:  # pydantic's, for a bad --pool (typer checks the counts)
         _fail(f"--pool {pool!r}: give full, latents or rankings")
+    rule = cfg.storage.keep_pools
+    kept = "every iteration's pools kept" if rule.last is None else f"keep_pools last={rule.last} every={rule.every}"
     typer.echo(
-        f"run {run_id}: {freed / 2**20:.1f} MiB of pool data removed (pool={cfg.storage.pool}, "
-        f"keep_pools last={cfg.storage.keep_pools.last} every={cfg.storage.keep_pools.every})"
+        f"run {run_id}: {freed / 2**20:.1f} MiB of pool data removed (pool={cfg.storage.pool}, {kept})"
+        + ("; pruning never adds back what an earlier rule removed" if not freed else "")
     )
     from solrl.storage.audit import broken_manifests
 

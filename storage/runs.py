@@ -196,6 +196,8 @@ def open_run(root: str | Path, run_id: str) -> Run:
     except (OSError, ValueError) as exc:
         if not (store.local or isinstance(exc, ValueError)):
             raise StoreError(store.explain(exc)) from None
+        if isinstance(exc, NotADirectoryError) and Path(store.root).is_file():  # --store named a file
+            raise ConfigError(f"store {store.root} is not a folder; give the folder that holds the runs") from None
         raise ConfigError(f"{shown} is unreadable ({exc})") from exc
     except Exception as exc:  # botocore's and aiohttp's own errors: an object store that does not answer
         raise StoreError(store.explain(exc)) from None

@@ -137,6 +137,14 @@ def test_ls_on_an_empty_store_and_on_a_store_that_is_not_there(tmp_path: Path):
         assert (
             result.exit_code == 2 and result.stderr == f"solrl: error: no run store at {tmp_path / where}: it {why}\n"
         )
+    # the commands that open one run said ".../a-file/r/run.json is unreadable ([Errno 20] Not a directory ...)"
+    for command in (["inspect", "r"], ["report", "r"], ["prune", "r"], ["verify", "r"]):
+        result = runner.invoke(app, [*command, "--store", str(tmp_path / "a-file")])
+        assert result.exit_code == 2, result.output
+        assert (
+            result.stderr
+            == f"solrl: error: store {tmp_path / 'a-file'} is not a folder; give the folder that holds the runs\n"
+        )
 
 
 def test_ls_lists_a_run_whose_run_json_is_damaged_and_skips_folders_that_are_no_run(tmp_path: Path):
@@ -269,6 +277,9 @@ def test_prune_names_the_pools_it_left_because_they_fail_verification(tmp_path: 
     store = str(run.run_dir.parent)
     pruned = runner.invoke(app, ["prune", "r", "--store", store, "--keep-last", "0"])
     assert pruned.exit_code == 0 and "0.0 MiB of pool data removed" in pruned.stdout, pruned.output
+    assert "keep_pools last=0 every=0); pruning never adds back what an earlier rule removed" in pruned.stdout
+    again = runner.invoke(app, ["prune", "r", "--store", store])  # the run's own rule: no keep_pools
+    assert "(pool=latents, every iteration's pools kept)" in again.stdout, again.output
     assert pruned.stderr == (
         "solrl: warning: left as they are, failing verification (a manifest unreadable or a file of another size): "
         f"iteration 1 explore; `solrl verify r --store {store} --redo` uncommits them and `solrl resume` redoes them\n"
