@@ -24,6 +24,8 @@ from solrl.weights import check_published_weights
 if TYPE_CHECKING:
     import pandas as pd  # imported where a command needs it: not at start-up
 
+    from solrl.storage.runs import Run
+
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
@@ -1140,6 +1142,13 @@ def export(
                 "checkpoint that holds",
                 err=True,
             )
+        elif gap := _checkpoint_gap(run_, iteration):  # uncommitted (verify --redo) or deleted, later stages not
+            typer.echo(
+                f"solrl: warning: the checkpoint of iteration {gap} is not committed, though later stages are "
+                f"(uncommitted by `verify --redo`, or deleted); `{_command('resume', run_id, '--store', store)}` "
+                f"recomputes it; exporting iteration {iteration}, the last committed checkpoint",
+                err=True,
+            )
     elif iteration in damaged:
         _fail(f"run {run_id}: {fails_verification(iteration)}")
     elif iteration not in committed:
@@ -1182,6 +1191,19 @@ def export(
     typer.echo(
         f"{adapter} LoRA of run {run_id} iteration {iteration} written to {path}{replaced}\n  load it with {how}"
     )
+
+
+def _checkpoint_gap(run_: Run, last: int) -> int | None:
+    """The iteration after ``last`` (the run's last committed checkpoint) when a stage after that iteration's
+    checkpoint is committed: its checkpoint went missing from a run that had gone past it; else None."""
+    from solrl.stages.pipeline import campaign_plan
+    from solrl.storage.stage import read_manifest
+
+    plan = [(i, s) for i, names in campaign_plan(run_.config) for s in names]
+    if (last + 1, "checkpoint") not in plan:
+        return None
+    later = plan[plan.index((last + 1, "checkpoint")) + 1 :]
+    return last + 1 if any(read_manifest(run_.run_dir, i, s) is not None for i, s in later) else None
 
 
 @app.command("reward-server")

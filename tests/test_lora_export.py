@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -156,6 +158,21 @@ def test_checkpoint_stage_and_solrl_export_write_a_loadable_lora(tmp_path: Path,
     assert last.stderr.startswith(f"solrl: warning: {fails}") and "; exporting iteration 1, the last" in last.stderr
     asked = runner.invoke(app, ["export", "export", "--out", str(tmp_path / "x"), "--store", store, "--iteration", "2"])
     assert asked.exit_code == 2 and asked.stderr.startswith(f"solrl: error: run export: {fails}"), asked.output
+
+    # a newer checkpoint uncommitted (verify --redo) or deleted, a stage after it still committed: said, not hidden
+    damaged.unlink()
+    later = stage_dir(run.run_dir, 2, "evaluate")  # iteration 2's evaluation, as if it had run after checkpoint 2
+    shutil.copytree(stage_dir(run.run_dir, 1, "checkpoint"), later)
+    manifest = json.loads((later / "_MANIFEST.json").read_text())
+    (later / "_MANIFEST.json").write_text(json.dumps({**manifest, "stage": "evaluate", "iteration": 2}))
+    gap = runner.invoke(app, ["export", "export", "--out", str(tmp_path / "z"), "--store", store])
+    assert gap.exit_code == 0 and "policy LoRA of run export iteration 1 written" in gap.stdout, gap.output
+    assert gap.stderr.startswith(
+        "solrl: warning: the checkpoint of iteration 2 is not committed, though later stages are (uncommitted by "
+        f"`verify --redo`, or deleted); `solrl resume export --store {store}` recomputes it; exporting iteration 1"
+    ), gap.stderr
+    shutil.rmtree(later)
+    assert runner.invoke(app, ["export", "export", "--out", str(tmp_path / "z"), "--store", store]).stderr == ""
 
     # a byte flipped in the checkpoint's LoRA keeps its size: only a hash tells, and export is where it leaves
     from conftest import flip_middle_byte
