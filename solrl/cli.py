@@ -1271,6 +1271,27 @@ def reward_server(
     )
 
 
+@app.command("plugins")
+def plugins() -> None:
+    """List every registered model family, reward, explore precision and loss, and where each comes from: solrl's
+    own module, or a plug-in's (``SOLRL_PLUGINS``, or an installed package's ``solrl.plugins`` entry point)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from solrl.registry import EXPLORE_BACKENDS, LOSSES, MODELS, REWARDS
+
+    table = Table("kind", "name", "from", box=None, pad_edge=False)
+    try:
+        for registry in (MODELS, REWARDS, EXPLORE_BACKENDS, LOSSES):
+            for name in registry.names():
+                built_in = registry.index().get(name)
+                where = built_in.module if built_in else f"{registry.get(name).__module__} (plug-in)"
+                table.add_row(registry.kind, name, where)
+    except ConfigError as exc:  # a plug-in module that fails to import
+        _fail(str(exc))
+    Console(width=max(100, Console().width), soft_wrap=True).print(table)
+
+
 @app.command("pretrain-tiny-digits")
 def pretrain_tiny_digits(
     steps: Annotated[int, typer.Option(help="Generator pretraining steps (sets how much room RL has).")] = 170,

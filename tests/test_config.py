@@ -483,6 +483,16 @@ def test_a_module_named_in_solrl_plugins_registers_and_a_broken_one_is_named(tmp
     env = {**os.environ, "PYTHONPATH": str(tmp_path), "SOLRL_PLUGINS": "my_plugin"}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
     assert done.stdout.split("\n")[:2] == ["hook 3 explore write", "True"], done.stderr[-2000:]
+    # `solrl plugins` lists it with where it comes from, beside the built-in ones
+    listed = subprocess.run([sys.executable, "-m", "solrl.cli", "plugins"], env=env, capture_output=True, text=True)
+    rows = [line.split() for line in listed.stdout.splitlines()]
+    assert listed.returncode == 0 and ["reward", "plugin_brightness", "my_plugin", "(plug-in)"] in rows, listed.stdout
+    assert ["loss", "nft", "solrl.stages.losses.nft"] in rows and [
+        "model",
+        "family",
+        "sana",
+        "solrl.stages.models.sana",
+    ] in rows
     env["SOLRL_PLUGINS"] = "my_plugin, broken_plugin"
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
     assert done.returncode == 1
