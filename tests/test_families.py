@@ -55,6 +55,18 @@ def test_a_tiny_family_is_built_saved_and_loaded_through_its_adapter(tmp_path: P
     assert model.sigmas(1).tolist() == [1.0, 0.0]
 
 
+def test_a_family_whose_vae_factor_is_not_its_vaes_is_named_at_its_first_decode(tmp_path: Path, monkeypatch):
+    """A plug-in family (Lumina 2, whose pipeline hard-codes a VAE factor of 8) decoded images of the wrong size
+    and failed later, in a reward, with "images of 8x8 pixels are smaller than one period of 16"."""
+    cfg = _config("tiny-sana", tmp_path / "runs")
+    family = model_family(cfg.model)
+    factor = family.vae_scale_factor
+    monkeypatch.setattr(family, "vae_scale_factor", classmethod(lambda cls, pipe: 2 * factor(pipe)))
+    model = load_model(cfg.model, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"^model family tiny-sana decoded 16x16 images at model.resolution=32: "):
+        model.decode(torch.randn(1, *model.latent_shape))
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_exported_lora_loads_into_the_stock_pipeline_and_samples_as_the_policy(tmp_path: Path, family, caplog):
     cfg = _config(family, tmp_path / "runs", "model.solver=euler")

@@ -366,12 +366,26 @@ class DiffusersFamily(ModelAdapter):
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> np.ndarray:
         """The family's ``vae_decode`` in batches of ``DECODE_BATCH``, clamped to [-1, 1], to uint8 ``[B, H, W, 3]``
-        (videos ``[B, F, H, W, 3]``)."""
+        (videos ``[B, F, H, W, 3]``).
+
+        Raises:
+            ValueError: the images are not ``model.resolution`` pixels a side: the family's latent geometry
+                (``vae_scale_factor``) is not its VAE's (a plug-in family whose pipeline hard-codes the factor).
+        """
         images = []
         for chunk in latents.split(DECODE_BATCH):
             image = self.vae_decode(chunk.to(self.device, self.pipe.vae.dtype)).float().clamp(-1, 1)
             images.append(((image + 1) * 127.5).round().to(torch.uint8).movedim(1, -1).cpu())
-        return torch.cat(images).numpy()
+        decoded = torch.cat(images).numpy()
+        side = decoded.shape[-3:-1]
+        if self.resolution and side != (self.resolution, self.resolution):
+            factor = self.vae_scale_factor(self.pipe)
+            raise ValueError(
+                f"model family {self.name} decoded {side[1]}x{side[0]} images at model.resolution={self.resolution}: "
+                f"its latents {tuple(self.latent_shape)} come from vae_scale_factor={factor}, which is not its "
+                "VAE's downsampling; override vae_scale_factor (or latent_shape_of) in the family"
+            )
+        return decoded
 
     def vae_decode(self, z: torch.Tensor) -> torch.Tensor:
         """Latents ``[b, *latent_shape]`` (on the device, in the VAE's dtype) to pixels ``[b, 3, H, W]`` (videos
