@@ -920,9 +920,9 @@ def verify(
         found = verify_run(run_.run_dir, advance)
     from solrl.stages.pipeline import campaign_plan
 
-    plan = [(i, s) for i, names in campaign_plan(run_.config) for s in names]
-    last = max((k for k, key in enumerate(plan) if key in set(stages)), default=-1)
-    gaps = [key for key in plan[:last] if key not in set(stages)]  # uncommitted, a later stage committed
+    plan, committed = [(i, s) for i, names in campaign_plan(run_.config) for s in names], set(stages)
+    last = max((k for k, key in enumerate(plan) if key in committed), default=-1)
+    gaps = [key for key in plan[:last] if key not in committed]  # uncommitted, a later stage committed
     resume = _command("resume", run_id, "--store", store)
     if gaps:
         shown = ", ".join(f"iteration {i} {s}" for i, s in gaps[:8]) + (" ..." if len(gaps) > 8 else "")
