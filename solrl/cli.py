@@ -24,8 +24,6 @@ from solrl.weights import check_published_weights
 if TYPE_CHECKING:
     import pandas as pd  # imported where a command needs it: not at start-up
 
-    from solrl.storage.runs import Run
-
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
@@ -918,11 +916,9 @@ def verify(
                 progress.update(task, completed=len(seen), description=f"iteration {iteration} {stage}")
 
         found = verify_run(run_.run_dir, advance)
-    from solrl.stages.pipeline import campaign_plan
+    from solrl.stages.pipeline import uncommitted_gaps
 
-    plan, committed = [(i, s) for i, names in campaign_plan(run_.config) for s in names], set(stages)
-    last = max((k for k, key in enumerate(plan) if key in committed), default=-1)
-    gaps = [key for key in plan[:last] if key not in committed]  # uncommitted, a later stage committed
+    gaps = uncommitted_gaps(run_.config, set(stages))
     resume = _command("resume", run_id, "--store", store)
     if gaps:
         shown = ", ".join(f"iteration {i} {s}" for i, s in gaps[:8]) + (" ..." if len(gaps) > 8 else "")
@@ -1103,10 +1099,11 @@ def export(
     from solrl.stages.models import model_family
     from solrl.stages.models.lora import LORA_WEIGHTS, save_diffusers_lora
     from solrl.stages.models.policy import ADAPTERS
+    from solrl.stages.pipeline import uncommitted_gaps
     from solrl.storage.artifacts import Checkpoint
     from solrl.storage.audit import broken_manifests
     from solrl.storage.runs import open_run
-    from solrl.storage.stage import StageNotCommitted, read_manifest
+    from solrl.storage.stage import StageNotCommitted, committed_stages, read_manifest
 
     if adapter not in ADAPTERS:
         _fail(f"--adapter {adapter!r}: choose one of {', '.join(ADAPTERS)}")
@@ -1142,9 +1139,11 @@ def export(
                 "checkpoint that holds",
                 err=True,
             )
-        elif gap := _checkpoint_gap(run_, iteration):  # uncommitted (verify --redo) or deleted, later stages not
-            typer.echo(
-                f"solrl: warning: the checkpoint of iteration {gap} is not committed, though later stages are "
+        elif gaps := [
+            i for i, s in uncommitted_gaps(run_.config, set(committed_stages(run_.run_dir))) if s == "checkpoint"
+        ]:
+            typer.echo(  # uncommitted (verify --redo) or deleted, a later stage still committed
+                f"solrl: warning: the checkpoint of iteration {gaps[0]} is not committed, though later stages are "
                 f"(uncommitted by `verify --redo`, or deleted); `{_command('resume', run_id, '--store', store)}` "
                 f"recomputes it; exporting iteration {iteration}, the last committed checkpoint",
                 err=True,
@@ -1191,19 +1190,6 @@ def export(
     typer.echo(
         f"{adapter} LoRA of run {run_id} iteration {iteration} written to {path}{replaced}\n  load it with {how}"
     )
-
-
-def _checkpoint_gap(run_: Run, last: int) -> int | None:
-    """The iteration after ``last`` (the run's last committed checkpoint) when a stage after that iteration's
-    checkpoint is committed: its checkpoint went missing from a run that had gone past it; else None."""
-    from solrl.stages.pipeline import campaign_plan
-    from solrl.storage.stage import read_manifest
-
-    plan = [(i, s) for i, names in campaign_plan(run_.config) for s in names]
-    if (last + 1, "checkpoint") not in plan:
-        return None
-    later = plan[plan.index((last + 1, "checkpoint")) + 1 :]
-    return last + 1 if any(read_manifest(run_.run_dir, i, s) is not None for i, s in later) else None
 
 
 @app.command("reward-server")

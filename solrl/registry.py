@@ -110,10 +110,11 @@ def _literal_attributes(node: ast.ClassDef) -> dict[str, Any]:
     return values
 
 
-#: Serialises solrl's own ``ast.parse`` calls: CPython 3.11 keeps the AST constructor's recursion depth per
-#: interpreter, not per thread, so two threads parsing at once can fail with a spurious ``SystemError: AST
+#: Held while a registry scans its sources (``Registry.index``): each registry scans once, whichever thread asks
+#: first, and solrl's own ``ast.parse`` calls never overlap. CPython 3.11 keeps the AST constructor's recursion depth
+#: per interpreter, not per thread, so two threads parsing at once can fail with a spurious ``SystemError: AST
 #: constructor recursion depth mismatch`` (python/cpython#106905; seen in a served campaign's flow run).
-_PARSE_LOCK = threading.Lock()
+_SCAN_LOCK = threading.Lock()
 
 
 def _parse(path: Path, attempts: int = 3) -> ast.Module:
@@ -126,8 +127,7 @@ def _parse(path: Path, attempts: int = 3) -> ast.Module:
     source, attempt = path.read_text(encoding="utf-8"), 1
     while True:
         try:
-            with _PARSE_LOCK:
-                return ast.parse(source, str(path))
+            return ast.parse(source, str(path))
         except SystemError as exc:
             if "recursion depth mismatch" not in str(exc) or attempt >= attempts:
                 raise
@@ -186,7 +186,6 @@ class Registry(Generic[T]):
         self._decorator = decorator
         self._entries: dict[str, T] = {}
         self._index: dict[str, Declared] | None = None
-        self._scanning = threading.Lock()
 
     def register(self, name: str) -> Callable[[T], T]:
         """Decorator: register ``entry`` under ``name``.
@@ -210,7 +209,7 @@ class Registry(Generic[T]):
         """The built-in plug-ins as their sources declare them (``scan``, once per process, whichever thread asks
         first)."""
         if self._index is None:
-            with self._scanning:
+            with _SCAN_LOCK:
                 if self._index is None:
                     self._index = scan(self._builtins, self._decorator)
         return self._index

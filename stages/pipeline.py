@@ -125,6 +125,15 @@ def campaign_plan(cfg: RunConfig) -> list[tuple[int, list[str]]]:
     return plan
 
 
+def uncommitted_gaps(cfg: RunConfig, committed: set[tuple[int, str]]) -> list[tuple[int, str]]:
+    """The (iteration, stage) pairs of the campaign plan that are not committed while a later one is: uncommitted by
+    ``solrl verify --redo``, or deleted (a campaign commits its stages in plan order, so its progress leaves none).
+    ``committed``: the run's committed pairs (``solrl.storage.stage.committed_stages``)."""
+    plan = [(i, s) for i, names in campaign_plan(cfg) for s in names]
+    last = max((k for k, key in enumerate(plan) if key in committed), default=-1)
+    return [key for key in plan[:last] if key not in committed]
+
+
 def _upstream_key(artifact: type[Artifact]) -> str:
     return artifact.stage if artifact.offset == 0 else f"{artifact.stage}[{artifact.offset:+d}]"
 

@@ -86,8 +86,7 @@ def pool_fate(cfg: RunConfig, iteration: int) -> str | None:
         "rankings stay)",
     }
     parts = [f"{POOL_MODE.format(mode=mode)} removes {fates[mode]}"] if mode in fates else []
-    forever = rule.last is None or (rule.every > 0 and iteration % rule.every == 0)
-    if not forever and iteration + rule.last <= cfg.campaign.iterations:
+    if not kept(cfg, iteration, cfg.campaign.iterations):  # outside keep_pools at the campaign's last checkpoint
         what = "the rest of it" if parts else "its images, latents and trajectories"
         parts.append(
             f"{RETENTION} (last={rule.last}, every={rule.every}) removes {what} once iteration "
