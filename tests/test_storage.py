@@ -352,6 +352,63 @@ def test_two_processes_starting_runs_in_a_new_store_at_once_both_get_an_mlflow_r
     assert not list(store.glob(".mlflow.db.tmp-*"))
 
 
+def _schema(database: Path) -> tuple[list, list]:
+    """The tables, indexes and triggers of a sqlite file, each statement's lines sorted (MLflow's migrations
+    write a table's constraints in another order from one build to the next), and its Alembic revision."""
+    import contextlib
+    import sqlite3
+
+    with contextlib.closing(sqlite3.connect(database)) as connection:
+        rows = connection.execute("SELECT type, name, sql FROM sqlite_master ORDER BY type, name").fetchall()
+        revision = connection.execute("SELECT version_num FROM alembic_version").fetchall()
+    return [(kind, name, sorted(line.strip(" ,") for line in (sql or "").splitlines())) for kind, name, sql in rows], (
+        revision
+    )
+
+
+def test_a_new_stores_mlflow_database_is_a_copy_of_the_cached_schema_and_a_damaged_one_is_built_again(
+    tmp_path: Path, monkeypatch
+):
+    """Building MLflow's schema took 1 to 2 s for each new store (35 of them in the tests: 62 s); a copy of one
+    built per machine takes milliseconds. Garbage in the template's place, or a template MLflow will not open,
+    costs a build, never a run; so does a cache that cannot be written."""
+    import contextlib
+    import sqlite3
+
+    import mlflow
+    from conftest import tiny_config
+
+    from solrl.storage.runs import create_run
+    from solrl.storage.tracking import Tracker, _build_schema, schema_template
+
+    monkeypatch.setenv("SOLRL_CACHE", str(tmp_path / "cache"))
+
+    def one_run(store: str) -> None:
+        tracker = Tracker(create_run(tiny_config(tmp_path / store), "r"))
+        assert [r.info.run_name for r in tracker.client.search_runs(tracker.experiment_id)] == ["r"]
+        assert not list((tmp_path / store).glob(".mlflow.db.tmp-*"))
+
+    one_run("a")
+    template = tmp_path / "cache" / "mlflow" / f"schema-{mlflow.__version__}.db"
+    assert schema_template() == template
+    _build_schema(tmp_path / "built.db")
+    assert _schema(tmp_path / "a" / "mlflow.db") == _schema(tmp_path / "built.db")  # as MLflow builds it
+
+    template.write_bytes(b"not a database")
+    one_run("b")
+    assert _schema(template) == _schema(tmp_path / "built.db")  # built again
+    with contextlib.closing(sqlite3.connect(template)) as connection, connection:
+        connection.execute("UPDATE alembic_version SET version_num = 'f00'")  # a revision MLflow does not know
+    one_run("c")
+    assert not template.exists()  # removed: the next store builds it again
+    assert _schema(tmp_path / "c" / "mlflow.db") == _schema(tmp_path / "built.db")
+
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("SOLRL_CACHE", str(tmp_path / "a-file" / "cache"))
+    assert schema_template() is None
+    one_run("d")
+
+
 def test_a_lease_holder_that_exited_and_was_not_reaped_yet_is_not_alive():
     """A run killed with SIGKILL stays a zombie until its parent reaps it: a resume at once was refused as
     "being written by another process", naming the dead pid."""
