@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from solrl.config import ConfigError, RunConfig
-from solrl.stages.cluster import ray_session, unreachable
+from solrl.stages.cluster import CONNECT_TIMEOUT_S, ray_session, unreachable
 
 
 def shard_workers(cfg: RunConfig) -> int:
@@ -56,6 +56,7 @@ def shard_task_runner(cfg: RunConfig) -> Iterator[Any | None]:
             from dask.distributed import Client
 
             try:  # fail now, with the field named, rather than in the first sharded stage
+                _dask_port_answers(address)  # a refused port at once, not after the client's 10 s of retries
                 Client(address, timeout="10s").close()
             except (OSError, TimeoutError) as exc:
                 raise ConfigError(
@@ -75,6 +76,27 @@ def shard_task_runner(cfg: RunConfig) -> Iterator[Any | None]:
     # Ray Train update (train.launcher=ray) then shares.
     with ray_session(cfg, workers):
         yield RayTaskRunner()
+
+
+def _dask_port_answers(address: str) -> None:
+    """Open and close one TCP connection to the host and port of a ``tcp://`` or ``tls://`` Dask address within
+    ``CONNECT_TIMEOUT_S`` (other transports are left to the client).
+
+    Raises:
+        OSError: the connection was refused or timed out.
+    """
+    import socket
+
+    from distributed.comm import parse_address, parse_host_port
+
+    scheme, location = parse_address(address)
+    if scheme not in ("tcp", "tls"):
+        return
+    try:
+        host_port = parse_host_port(location)
+    except ValueError:  # no port: the client's own error says so
+        return
+    socket.create_connection(host_port, timeout=CONNECT_TIMEOUT_S).close()
 
 
 @contextmanager

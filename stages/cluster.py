@@ -18,7 +18,7 @@ from solrl.config import ConfigError, RunConfig
 
 #: Object store of a local Ray instance: shard tasks return a flag and the update its few output files.
 RAY_OBJECT_STORE_BYTES = 128 * 2**20
-#: Seconds a TCP connection to a Ray address may take before the address counts as not answering.
+#: Seconds a TCP connection to a Ray or Dask address may take before the address counts as not answering.
 CONNECT_TIMEOUT_S = 3.0
 
 
