@@ -42,6 +42,9 @@ def prefect(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]
     env["PREFECT_LOGGING_LEVEL"] = "INFO"  # the flow runs' own log lines reach the API (the tests read them)
     env.pop(FAULT_ENV, None)
     env["PREFECT_SERVER_DEPLOYMENTS_CONCURRENCY_SLOT_WAIT_SECONDS"] = "2"  # a queued trigger's poll (30 s default)
+    # The runner's look for scheduled flow runs (10 s default), as test_stack's workers query each 2 s: a trigger
+    # and the Retry each waited up to 10 s to start.
+    env["PREFECT_RUNNER_POLL_FREQUENCY"] = "2"
     prefect_cli = str(Path(sys.executable).with_name("prefect"))
     logs = home / "logs"
     logs.mkdir()
