@@ -53,29 +53,32 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ["PREFECT_API_URL"] = TemporaryServer().start().wait()  # stopped at exit, or with this process
 
 
-#: Test files, heaviest first, by their time on this project's 2 cores (``pytest --durations``, 2026-12-07: the server
-#: stack 246 s, the families 170 s, the S3 and Ray tests 258 s, ...). ``make test`` runs ``--dist loadfile
-#: --no-loadscope-reorder``: each xdist worker takes the next file of the collection when it is almost done, so with
-#: the long files first the two workers end within a short file of each other. xdist's default order (most tests
-#: first) put the long few-test files last, where one worker ran them while the other had nothing left. A file not
-#: named here runs after these, in collection order; a stale order costs time, never a result.
+#: Test files, heaviest first, by their time on this project's 2 cores (``pytest --durations``, 2026-12-07, with an
+#: empty Inductor cache as CI has: the S3 and Ray tests 248 s, the server stack 229 s, torchrun and Ray Train 199 s,
+#: the compiled copies 150 s, ...). ``make test`` runs ``--dist loadfile --no-loadscope-reorder``: each xdist worker
+#: takes the next file of the collection when it is almost done, so with the long files first the two workers end
+#: within a short file of each other. xdist's default order (most tests first) put the long few-test files last,
+#: where one worker ran them while the other had nothing left. A file not named here runs after these, in
+#: collection order; a stale order costs time, never a result.
 HEAVIEST_FIRST = (
-    "test_stack.py",
-    "test_families.py",
     "test_object_store.py",
+    "test_stack.py",
     "test_distributed.py",
-    "test_serve.py",
-    "test_flow.py",
-    "test_guards.py",
-    "test_shards.py",
-    "test_shutdown.py",
-    "test_remote_reward.py",
     "test_compile.py",
-    "test_hardware.py",
+    "test_families.py",
+    "test_flow.py",
+    "test_serve.py",
+    "test_guards.py",
+    "test_shutdown.py",
+    "test_shards.py",
     "test_faults.py",
+    "test_remote_reward.py",
+    "test_hardware.py",
     "test_published_size.py",
-    "test_rewards.py",
     "test_pool_store.py",
+    "test_memory.py",
+    "test_stages.py",
+    "test_rewards.py",
 )
 
 
