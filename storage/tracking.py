@@ -23,7 +23,7 @@ from typing import Any
 from solrl import __version__
 from solrl.config import RunConfig
 from solrl.storage.runs import Run
-from solrl.storage.stage import write_json_atomic
+from solrl.storage.stage import replaced_atomically, write_json_atomic
 
 TRACKING_FILE = "tracking.json"
 
@@ -73,48 +73,41 @@ def _create_sqlite_store(uri: str) -> None:
     path = Path(uri.removeprefix("sqlite:///"))
     if path.exists():
         return
-    tmp = _new_name(path)
-    try:
-        template = schema_template()
-        if template is None or not _copied_and_opens(template, tmp):
-            if template is not None:  # damaged in a way its version row did not show: built again next time
-                template.unlink(missing_ok=True)
-                tmp = _new_name(path)  # MLflow keeps the refused copy's engine under the first name
-            _build_schema(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    template = schema_template()
+    if template is not None and _copied_and_opens(template, path):
+        return
+    if template is not None:  # damaged in a way its version row did not show: built again next time
+        template.unlink(missing_ok=True)
+    _build_schema(path)
 
 
-def _new_name(path: Path) -> Path:
-    """A temporary name beside ``path`` used once: MLflow keeps each database URI's engine (and its open
-    connection) for the life of the process, so a name used twice would reach the first file through it."""
-    import secrets
-
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+# Each temporary file MLflow opens below has a name of its own (``replaced_atomically``'s): MLflow keeps each
+# database URI's engine, and its open connection, for the life of the process, so a name used twice would reach the
+# first file through it.
 
 
 def _build_schema(path: Path) -> None:
-    """MLflow's tables in a new sqlite file at ``path``: every Alembic migration of this MLflow version, about
-    1 to 2 s (50-odd migrations)."""
+    """MLflow's tables built in a new sqlite file that then replaces ``path``: every Alembic migration of this
+    MLflow version, about 1 to 2 s (50-odd migrations)."""
     import mlflow
 
-    mlflow.MlflowClient(tracking_uri=f"sqlite:///{path}").search_experiments()  # creates and migrates the schema
+    with replaced_atomically(path) as tmp:
+        mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp}").search_experiments()  # creates and migrates the schema
 
 
 def _copied_and_opens(template: Path, path: Path) -> bool:
-    """Copy ``template`` to ``path`` and check that MLflow opens the copy (its schema at this version's head);
-    False, with ``path`` removed, when either fails."""
+    """Copy ``template`` to ``path`` (through a temporary file) once MLflow opens the copy (its schema at this
+    version's head); False, with ``path`` left as it was, when either fails."""
     import shutil
 
     import mlflow
 
     try:
-        shutil.copyfile(template, path)
-        mlflow.MlflowClient(tracking_uri=f"sqlite:///{path}").search_experiments()
+        with replaced_atomically(path) as tmp:
+            shutil.copyfile(template, tmp)
+            mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp}").search_experiments()
         return True
     except Exception:  # noqa: BLE001 - a damaged template of the cache: the caller builds the schema instead
-        path.unlink(missing_ok=True)
         return False
 
 
@@ -137,12 +130,7 @@ def schema_template() -> Path | None:
         return template
     try:
         template.parent.mkdir(parents=True, exist_ok=True)
-        tmp = _new_name(template)
-        try:
-            _build_schema(tmp)
-            os.replace(tmp, template)
-        finally:
-            tmp.unlink(missing_ok=True)
+        _build_schema(template)
     except Exception:  # noqa: BLE001 - a cache folder that cannot hold it (OSError, or SQLite's own error)
         return None
     return template

@@ -349,7 +349,7 @@ def test_two_processes_starting_runs_in_a_new_store_at_once_both_get_an_mlflow_r
     client = mlflow.MlflowClient(f"sqlite:///{store}/mlflow.db")
     runs = client.search_runs(client.get_experiment_by_name("solrl").experiment_id)
     assert sorted(r.info.run_name for r in runs) == ["r0", "r1"] and {r.info.status for r in runs} == {"FINISHED"}
-    assert not list(store.glob(".mlflow.db.tmp-*"))
+    assert not list(store.glob(".mlflow*.tmp-*"))
 
 
 def _schema(database: Path) -> tuple[list, list]:
@@ -386,7 +386,7 @@ def test_a_new_stores_mlflow_database_is_a_copy_of_the_cached_schema_and_a_damag
     def one_run(store: str) -> None:
         tracker = Tracker(create_run(tiny_config(tmp_path / store), "r"))
         assert [r.info.run_name for r in tracker.client.search_runs(tracker.experiment_id)] == ["r"]
-        assert not list((tmp_path / store).glob(".mlflow.db.tmp-*"))
+        assert not list((tmp_path / store).glob(".mlflow*.tmp-*"))
 
     one_run("a")
     template = tmp_path / "cache" / "mlflow" / f"schema-{mlflow.__version__}.db"
