@@ -21,15 +21,18 @@ $(BIN)/.installed: pyproject.toml constraints/cpu.txt constraints/test.txt
 	$(BIN)/python -m pip install --quiet $(TORCH_CONSTRAINTS) -c constraints/test.txt -e '.[test]'
 	touch $@
 
-# Transformer Engine's Python sources at solrl's floor, unpacked beside the venv and never installed (with TE's meta
-# package installed, diffusers and peft try to import it and fail without CUDA): tests/test_hardware.py builds
-# solrl's recipes with TE's own recipe module and checks solrl's TE calls against its source.
-TE_SOURCE := $(VENV)/te-source/2.9.0
-$(TE_SOURCE)/transformer_engine: | $(BIN)/.installed
-	$(BIN)/python -m pip download --quiet --no-deps transformer-engine==2.9.0 -d $(VENV)/te-source
-	$(BIN)/python -m zipfile -e $(VENV)/te-source/transformer_engine-2.9.0-py3-none-any.whl $(TE_SOURCE)
+# Transformer Engine's Python sources, unpacked beside the venv and never installed (with TE's meta package installed,
+# diffusers and peft try to import it and fail without CUDA): tests/test_hardware.py builds solrl's recipes with TE's
+# own recipe module and checks solrl's TE calls against its source, at solrl's floor (2.9.0), the version
+# `make gpu-kit` packs for a GPU (2.16.1, the first with NVFP4's row-scaled activations), and the newest release when
+# this list was last extended (2.20.2). About 1 MiB each.
+TE_SOURCE_VERSIONS := 2.9.0 2.16.1 2.20.2
+TE_SOURCES := $(foreach v,$(TE_SOURCE_VERSIONS),$(VENV)/te-source/$(v)/transformer_engine)
+$(VENV)/te-source/%/transformer_engine: | $(BIN)/.installed
+	$(BIN)/python -m pip download --quiet --no-deps transformer-engine==$* -d $(VENV)/te-source
+	$(BIN)/python -m zipfile -e $(VENV)/te-source/transformer_engine-$*-py3-none-any.whl $(VENV)/te-source/$*
 
-install: $(BIN)/.installed $(TE_SOURCE)/transformer_engine
+install: $(BIN)/.installed $(TE_SOURCES)
 
 demo: $(BIN)/.installed
 	$(BIN)/solrl run tiny-digits

@@ -127,65 +127,125 @@ def test_the_gpu_session_runs_every_step_and_the_smoke_script_says_why_a_check_d
     assert (tmp_path / "session.log").read_text().count("### ") == 2 * len(steps)
 
 
-def _te_source() -> Path:
-    """Transformer Engine's Python sources at solrl's floor (2.9.0), unpacked beside the venv by ``make install``
-    and never imported as a package (TE's PyTorch extension cannot be built or loaded without CUDA)."""
+#: Transformer Engine releases whose Python sources ``make install`` unpacks (Makefile, ``TE_SOURCE_VERSIONS``):
+#: solrl's floor, the version ``make gpu-kit`` packs for a GPU, and the newest release when the list was extended.
+TE_SOURCE_VERSIONS = ("2.9.0", "2.16.1", "2.20.2")
+
+
+def _te_source(version: str) -> Path:
+    """Transformer Engine's Python sources at ``version``, unpacked beside the venv by ``make install`` and never
+    imported as a package (TE's PyTorch extension cannot be built or loaded without CUDA)."""
     import sys
 
-    source = Path(sys.prefix) / "te-source" / "2.9.0" / "transformer_engine"
+    source = Path(sys.prefix) / "te-source" / version / "transformer_engine"
     if not source.is_dir():
         pytest.skip(f"{source} is missing: make install unpacks Transformer Engine's sources there")
     return source
 
 
-def _te_recipe_module():
+def _te_recipe_module(version: str):
+    """TE's ``common/recipe`` module at ``version``, executed afresh: its dataclass defaults read ``NVTE_*``
+    environment variables when the module runs."""
     import importlib.util
     import sys
 
-    path = _te_source() / "common" / "recipe" / "__init__.py"
-    spec = importlib.util.spec_from_file_location("solrl_test_te_recipe", path)
+    path = _te_source(version) / "common" / "recipe" / "__init__.py"
+    spec = importlib.util.spec_from_file_location(f"solrl_test_te_recipe_{version.replace('.', '_')}", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # pydantic dataclasses resolve their annotations through sys.modules
     spec.loader.exec_module(module)
     return module
 
 
-def _signature(path: Path, qualname: str) -> list[str]:
+def _definition(path: Path, qualname: str):
+    """The ``ast`` node of function or class ``qualname`` (``"Linear.__init__"``) in the file at ``path``."""
     import ast
 
-    tree = ast.parse(path.read_text())
+    scope = ast.parse(path.read_text()).body
     *owner, name = qualname.split(".")
-    scope = tree.body
     for part in owner:
         scope = next(n for n in scope if isinstance(n, ast.ClassDef) and n.name == part).body
-    node = next(n for n in scope if isinstance(n, ast.FunctionDef) and n.name == name)
+    kinds = (ast.FunctionDef, ast.ClassDef)
+    found = [n for n in scope if isinstance(n, kinds) and n.name == name]
+    assert found, f"{qualname} is not defined in {path}"
+    return found[0]
+
+
+def _signature(path: Path, qualname: str) -> list[str]:
+    """The parameter names of function ``qualname`` in ``path``; of its ``__init__`` where it is a class (TE 2.16
+    made ``autocast`` a class)."""
+    import ast
+
+    node = _definition(path, qualname)
+    if isinstance(node, ast.ClassDef):
+        node = next(n for n in node.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
     return [a.arg for a in [*node.args.args, *node.args.kwonlyargs]]
 
 
-def test_solrl_builds_its_recipes_with_transformer_engines_own_recipe_module():
-    """solrl's recipes constructed with TE's recipe module at the floor version: 1x16 weight blocks, no Hadamard
-    transform, no stochastic rounding; FP8 E4M3 with split accumulation in the forward GEMM."""
+def _defining_file(package: Path, line: str) -> Path:
+    """The one file under ``package`` that starts a line with ``line`` (TE moves modules between releases)."""
+    found = [p for p in package.rglob("*.py") if any(t.strip().startswith(line) for t in p.read_text().splitlines())]
+    assert len(found) == 1, f"{line!r} in {found}"
+    return found[0]
+
+
+@pytest.mark.parametrize("version", TE_SOURCE_VERSIONS)
+def test_solrl_builds_its_recipes_with_transformer_engines_own_recipe_module(version):
+    """solrl's recipes constructed with TE's recipe module at each checked version: 1x16 weight blocks, no Hadamard
+    transform, no stochastic rounding, the standard map-to-6 blocks; FP8 E4M3 with split accumulation in the forward
+    GEMM and the exact amax / 448 scale; per-row NVFP4 activation scales from 2.16."""
     from solrl.stages.quant.hardware import te_recipe
 
-    recipe = _te_recipe_module()
+    recipe = _te_recipe_module(version)
     nvfp4 = te_recipe("nvfp4", recipe)
     assert isinstance(nvfp4, recipe.NVFP4BlockScaling)
     for params in (nvfp4.fp4_quant_fwd_weight, nvfp4.fp4_quant_fwd_inp):
         assert not params.fp4_2d_quantization and not params.random_hadamard_transform
         assert not params.stochastic_rounding
-    # Per-row activation amax exists from TE 2.16; solrl asks for it where the recipe has the field.
-    assert getattr(nvfp4, "row_scaled_activation", True)
+    per_row = tuple(map(int, version.split("."))) >= (2, 16)
+    assert getattr(nvfp4, "row_scaled_activation", False) is per_row
+    assert getattr(nvfp4, "nvfp4_4over6", "none") == "none"
     fp8 = te_recipe("fp8", recipe)
     assert isinstance(fp8, recipe.Float8CurrentScaling) and fp8.fp8_format == recipe.Format.E4M3
-    assert fp8.fp8_gemm_fprop.use_split_accumulator
+    assert fp8.fp8_gemm_fprop.use_split_accumulator and fp8.use_power_2_scales is False
     with pytest.raises(ValueError, match="nvfp4 or fp8"):
         te_recipe("int8", recipe)
 
 
-def test_the_transformer_engine_calls_solrl_makes_exist_with_these_arguments_in_its_source():
-    """Each TE call of ``stages/quant/{availability,hardware}.py`` against the installed TE's source (the
+@pytest.mark.parametrize("version", TE_SOURCE_VERSIONS)
+def test_no_nvte_environment_variable_changes_solrls_recipes(version, monkeypatch):
+    """TE's recipe dataclasses take their defaults from ``NVTE_*`` variables when the module is imported. Each one
+    that changes the numbers, set the other way: TE's default recipe follows it, solrl's recipe does not."""
+    import dataclasses
+
+    from solrl.stages.quant.hardware import te_recipe
+
+    # The others (NVTE_NVFP4_DISABLE_RHT, ..._ROW_SCALED_ACTIVATION, ...) default to what solrl does not want, and
+    # solrl has always passed them; these two default to what it wants, so solrl relied on an unset variable.
+    deviant = {"NVTE_NVFP4_4OVER6": "all", "NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES": "1"}
+
+    def recipes(env: dict[str, str]) -> tuple[object, dict[str, str], dict[str, str]]:
+        for name in deviant:
+            monkeypatch.delenv(name, raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        recipe = _te_recipe_module(version)
+        # Compared by repr: each run of the module makes its own Format enum.
+        ours = [{k: repr(v) for k, v in dataclasses.asdict(te_recipe(p, recipe)).items()} for p in ("nvfp4", "fp8")]
+        return recipe, *ours
+
+    clean = recipes({})[1:]
+    recipe, *ours = recipes(deviant)
+    assert recipe.Float8CurrentScaling().use_power_2_scales  # the variables reached TE's own defaults
+    assert getattr(recipe.NVFP4BlockScaling(), "nvfp4_4over6", "all") == "all"  # 4over6 exists from 2.20
+    assert tuple(ours) == clean
+
+
+@pytest.mark.parametrize("version", TE_SOURCE_VERSIONS)
+def test_the_transformer_engine_calls_solrl_makes_exist_with_these_arguments_in_its_source(version):
+    """Each TE call of ``stages/quant/{availability,hardware}.py`` against TE's source at each checked version (the
     PyTorch extension cannot be built without CUDA): names, keyword arguments, and the behaviours relied on."""
-    te = _te_source() / "pytorch"
+    te = _te_source(version) / "pytorch"
     exported = (te / "__init__.py").read_text()
     for name in ("Linear", "autocast", "quantized_model_init", "is_fp8_available", "is_nvfp4_available"):
         assert f"import {name}\n" in exported, name
@@ -197,11 +257,19 @@ def test_the_transformer_engine_calls_solrl_makes_exist_with_these_arguments_in_
     linear = _signature(te / "module" / "linear.py", "Linear.__init__")
     assert linear[1:3] == ["in_features", "out_features"] and {"bias", "params_dtype", "device"} <= set(linear)
     # FP8 GEMM operands: rows % 8 and K % 16 (TE_ROW_MULTIPLE, TE_DIM_MULTIPLE; the weight [out, in] too).
-    assert "math.prod(tensor.shape[:-1]) % 8 == 0 and tensor.shape[-1] % 16 == 0" in (te / "utils.py").read_text()
+    import ast
+
+    check = ast.unparse(_definition(te / "utils.py", "assert_dim_for_fp8_exec"))
+    assert "math.prod(tensor.shape[:-1]) % 8" in check and "tensor.shape[-1] % 16" in check
     assert TE_ROW_MULTIPLE["fp8"] == 8 and te_takes(16, 8, "fp8") and not te_takes(16, 4, "fp8")
     # Under no_grad a quantized_model_init weight keeps row-wise data only; copy_ into it re-quantizes.
     assert "set_usage(rowwise=True, columnwise=torch.is_grad_enabled())" in (te / "module" / "base.py").read_text()
-    assert "dst.quantize_(src)" in (te / "tensor" / "quantized_tensor.py").read_text()
+    quantized_tensor = _defining_file(te, "class QuantizedTensor(")
+    assert "dst.quantize_(src)" in quantized_tensor.read_text()
+    # te_weight_bytes: a row-wise NVFP4 weight [M, K] has E4M3 scales [round_up(M, 128), round_up(K / 16, 4)].
+    scale_shape = ast.unparse(_definition(te / "tensor" / "nvfp4_tensor.py", "NVFP4Quantizer.get_scale_shape"))
+    assert "outer = round_up_to_nearest_multiple(M, 128)" in scale_shape
+    assert "inner = round_up_to_nearest_multiple(math.ceil(K / NVFP4_BLOCK_SCALING_SIZE), 4)" in scale_shape
 
 
 def test_a_packed_tensor_subclass_counts_its_packed_bytes_not_its_bf16_view():

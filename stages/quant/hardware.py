@@ -99,31 +99,47 @@ def te_recipe(precision: str, recipe: Any = None) -> Any:
 
     * ``nvfp4``: ``NVFP4BlockScaling`` with 1x16 weight blocks along K as in ``nvfp4_emulated`` and DESIGN 2
       (TE's default is 16x16 2-D weight blocks), no random Hadamard transform, no stochastic rounding: TE's own
-      plain recipe (``tests/pytorch/test_sanity.py``); and, where TE has it (>= 2.16),
-      ``row_scaled_activation=True``: one activation amax per row (token), so a sample does not depend on its
-      batch mates. Older TE scales activations per call (``explore.activation_scale=call`` emulates that).
+      plain recipe (``tests/pytorch/test_sanity.py``); where TE has it (>= 2.16), ``row_scaled_activation=True``:
+      one activation amax per row (token), so a sample does not depend on its batch mates (older TE scales
+      activations per call; ``explore.activation_scale=call`` emulates that); and where TE has it (>= 2.20),
+      ``nvfp4_4over6="none"``: every block maps its amax to E2M1's 6, never the adaptive map-to-4 choice.
     * ``fp8``: ``Float8CurrentScaling(E4M3)`` with the forward GEMM's split (FP32) accumulation (the recipe's
-      default, ``use_split_accumulator=False``, is TE's fast accumulation); activations per call.
+      default, ``use_split_accumulator=False``, is TE's fast accumulation), activations per call, and the exact
+      scale ``amax / 448`` of ``fp8_emulated`` (``use_power_2_scales=False``).
+
+    Every field that changes the numbers is passed, none left to its default: TE reads those defaults from
+    ``NVTE_*`` environment variables when its recipe module is imported (``NVTE_NVFP4_DISABLE_RHT``,
+    ``NVTE_NVFP4_4OVER6``, ``NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES``, ...), so an environment set for
+    training elsewhere would otherwise make the hardware copy differ from its emulation.
 
     Raises:
         ValueError: another precision. ImportError: no Transformer Engine.
     """
-    import dataclasses
-
     if recipe is None:
         from transformer_engine.common import recipe
 
     if precision == "nvfp4":
-        fields = {f.name for f in dataclasses.fields(recipe.NVFP4BlockScaling)}
-        per_row = {"row_scaled_activation": True} if "row_scaled_activation" in fields else {}
         return recipe.NVFP4BlockScaling(
-            disable_2d_quantization=True, disable_rht=True, disable_stochastic_rounding=True, **per_row
+            disable_2d_quantization=True,
+            disable_rht=True,
+            disable_stochastic_rounding=True,
+            **_where_te_has(recipe.NVFP4BlockScaling, row_scaled_activation=True, nvfp4_4over6="none"),
         )
     if precision == "fp8":
         return recipe.Float8CurrentScaling(
-            fp8_format=recipe.Format.E4M3, fp8_gemm_fprop=recipe.MMParams(use_split_accumulator=True)
+            fp8_format=recipe.Format.E4M3,
+            fp8_gemm_fprop=recipe.MMParams(use_split_accumulator=True),
+            **_where_te_has(recipe.Float8CurrentScaling, use_power_2_scales=False),
         )
     raise ValueError(f"hardware precision must be nvfp4 or fp8, got {precision!r}")
+
+
+def _where_te_has(recipe_class: type, **fields: Any) -> dict[str, Any]:
+    """The ``fields`` that this Transformer Engine's ``recipe_class`` (a dataclass) has; later versions add some."""
+    import dataclasses
+
+    known = {f.name for f in dataclasses.fields(recipe_class)}
+    return {name: value for name, value in fields.items() if name in known}
 
 
 def _round_up(n: int, multiple: int) -> int:
