@@ -318,23 +318,44 @@ def plan(
     config: Annotated[str | None, typer.Argument(help="Preset name (configs/*.yaml) or YAML path.")] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="Override: section.key=value (YAML value).")] = None,
     gpu: Annotated[
-        list[float] | None,
-        typer.Option("--gpu", help="Plan for a device of this many GiB (repeatable; default 80, 141 and 192)."),
+        list[str] | None,
+        typer.Option(
+            "--gpu",
+            help="Plan for a device of this many GiB, as CUDA reports it, or for h100, h200 or b200 (repeatable; "
+            "default those three: 79.6, 140.4 and 179.1 GiB, since a card's size in GB is not its size in GiB).",
+        ),
     ] = None,
 ) -> None:
     """Print the memory plan of a config: per stage, what one device holds at its peak, and whether it fits.
 
     Measured on PyTorch's meta device from the transformer's and VAE's configs (the weights folder's, else the
     published configs solrl ships): no weights are read and no GPU is needed."""
+    from solrl.stages.memory import GPU_SIZES, a_or_an
+
     _quiet_environment()
-    for gib in gpu or []:
+    cards = {name.split()[0].lower(): (name, gib) for name, gib in GPU_SIZES.items()}
+    sizes = []
+    for given in gpu or []:
+        if given.lower() in cards:
+            name, gib = cards[given.lower()]
+            sizes.append((f"{a_or_an(name)} {name} ({gib:.1f} GiB)", gib))
+            continue
+        try:
+            gib = float(given)
+            shown = f"{gib:g}"
+        except ValueError:
+            gib, shown = math.nan, given
         if not (math.isfinite(gib) and 0 < gib <= MAX_DEVICE_GIB):
-            _fail(f"--gpu {gib:g}: a device's memory is a number of GiB above 0 and at most {MAX_DEVICE_GIB:g}")
+            _fail(
+                f"--gpu {shown}: a device's memory is a number of GiB above 0 and at most {MAX_DEVICE_GIB:g}, "
+                f"or one of {', '.join(cards)}"
+            )
+        sizes.append((f"{a_or_an(f'{gib:g}')} {gib:g} GiB device", gib))
     try:
         cfg = load_config(config, set_ or [])
         import torch
 
-        from solrl.stages.memory import GIB, GPU_SIZES, a_or_an, cached_measure, fix_summary, format_plan, make_plan
+        from solrl.stages.memory import GIB, cached_measure, fix_summary, format_plan, make_plan
 
         footprint = cached_measure(cfg, torch.bfloat16)
     except ConfigError as exc:
@@ -347,7 +368,6 @@ def plan(
         typer.echo(f"solrl: warning: {exc}; `solrl run` refuses this config until it is fixed", err=True)
     for warning in cfg.prompt_warnings():
         typer.echo(f"solrl: warning: {warning}", err=True)
-    sizes = [(f"{a_or_an(f'{gib:g}')} {gib:g} GiB device", gib) for gib in gpu or []]
     sizes = sizes or [(f"{a_or_an(name)} {name} ({gib:.1f} GiB)", gib) for name, gib in GPU_SIZES.items()]
     try:
         plans = [(device, make_plan(cfg, footprint, int(gib * GIB))) for device, gib in sizes]

@@ -775,7 +775,8 @@ class RunConfig(_Section):
             places = " or ".join(map(str, dict.fromkeys([Path(self.base_dir) / given, preset_dir() / given])))
             raise ConfigError(
                 f"{field}: no prompt file {given!r}: looked for beside the preset and among solrl's shipped ones "
-                f"({places}); a path given with --set is looked for in the current folder first"
+                f"({places}); a path given with --set is first looked for in the current folder "
+                f"({Path.cwd() / given})"
             ) from None
 
     def prompt_warnings(self) -> list[str]:

@@ -799,12 +799,13 @@ def check_memory(cfg: Any, *, force: bool | None = None) -> str:
         return f"memory plan: not measured ({type(exc).__name__}: {exc}); not checked"
     plan = make_plan(cfg, footprint, device_bytes)
     peaks = ", ".join(f"{s.stage} {size(s.total)}" for s in plan.stages)
+    weights = f"{str(dtype).removeprefix('torch.')} weights"  # float32 on CPU: twice `solrl plan`'s bf16
     usable = plan.usable
     if usable is None:
-        return f"memory plan (peak per device, {device}: not checked): {peaks}"
+        return f"memory plan ({weights}, peak per device, {device}: not checked): {peaks}"
     over = plan.over()
     if not over:
-        return f"memory plan (peak per device, {size(usable)} usable on {device}): {peaks}; fits"
+        return f"memory plan ({weights}, peak per device, {size(usable)} usable on {device}): {peaks}; fits"
     detail = "; ".join(
         f"{s.stage} needs {size(s.total)} ("
         + ", ".join(f"{k} {size(v)}" for k, v in sorted(s.parts.items(), key=lambda kv: -kv[1]) if v)
@@ -814,8 +815,8 @@ def check_memory(cfg: Any, *, force: bool | None = None) -> str:
     message = (
         f"the memory plan does not fit {device}: {size(usable)} usable of {size(device_bytes)} "
         f"({RESERVE_FRACTION:.0%} kept free); {detail}. Fix: {fix_summary(cfg, plan)}. `solrl plan` prints the "
-        "table; --force runs anyway."
+        "table"
     )
     if force:
-        return f"memory plan: forced past: {message}"
-    raise MemoryPlanError(message)
+        return f"memory plan: forced past: {message}."
+    raise MemoryPlanError(f"{message}; --force runs anyway.")

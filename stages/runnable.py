@@ -54,9 +54,15 @@ def check_runnable(cfg: RunConfig, prompts_sha256: str | None = None, weights: d
     check_ray_address(cfg)
     reason = EXPLORE_BACKENDS.get(cfg.explore.precision).unavailable_reason()
     if reason is not None:
+        stored = (  # a stored run (its prompts' digest is recorded) keeps the precision it began with
+            "; a run resumes with the precision it began with, so resume it where that runs (ls, inspect, show and "
+            "report read it anywhere)"
+            if prompts_sha256 is not None
+            else ""
+        )
         raise ConfigError(
             f"explore.precision={cfg.explore.precision} cannot run here: {reason}; this machine runs: "
-            f"{', '.join(runnable_precisions())}"
+            f"{', '.join(runnable_precisions())}{stored}"
         )
     train, evaluation = (prompt_set.prompts for prompt_set in cfg.prompt_sets())
     for name in sorted({*cfg.reward.weights, *cfg.reward.evaluate}):

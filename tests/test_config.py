@@ -242,8 +242,8 @@ def test_the_default_preset_runs_here():
         (  # a relative name: every place it was looked for
             ["campaign.eval_prompts_file=mine.txt"],
             r"campaign.eval_prompts_file: no prompt file 'mine.txt': looked for beside the preset and among solrl's "
-            r"shipped ones \(/\S*/configs/mine.txt\); a path given with --set is looked for in the current folder "
-            r"first$",
+            r"shipped ones \(/\S*/configs/mine.txt\); a path given with --set is first looked for in the current "
+            r"folder \(/\S*/mine.txt\)$",
         ),
     ],
 )
@@ -270,12 +270,14 @@ def test_unreadable_prompt_file(tmp_path: Path):
 @pytest.mark.parametrize("precision", ["nvfp4", "fp8", "torchao_fp8", "torchao_nvfp4"])
 def test_hardware_precision_without_the_hardware_is_valid_but_refused_where_work_starts(precision):
     cfg = load_config(None, [f"explore.precision={precision}"])
-    with pytest.raises(
-        ConfigError,
-        match=rf"explore.precision={precision} cannot run here: this machine has no "
-        r"CUDA device; this machine runs: bf16, fp8_emulated, nvfp4_emulated$",
-    ):
+    need = "10.0, Blackwell" if "nvfp4" in precision else "8.9, Ada, Hopper or Blackwell"
+    library = "torchao" if precision.startswith("torchao") else "Transformer Engine"
+    with pytest.raises(ConfigError) as refused:
         check_runnable(cfg)
+    assert str(refused.value) == (  # what the precision needs, and what runs here instead
+        f"explore.precision={precision} cannot run here: this machine has no CUDA device ({precision} needs a GPU "
+        f"of compute capability >= {need}, and {library}); this machine runs: bf16, fp8_emulated, nvfp4_emulated"
+    )
 
 
 def test_torchao_fp8_of_float32_weights_is_refused_when_the_config_loads():

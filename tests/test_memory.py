@@ -159,7 +159,8 @@ def test_a_plan_over_the_device_refuses_with_the_numbers_and_the_fix(digits_foot
         match=r"Fix: no single setting fits explore, score, regenerate and update \(a larger device does\)",
     ):
         check_memory(cfg)
-    assert "forced past" in check_memory(cfg, force=True)
+    forced = check_memory(cfg, force=True)
+    assert "forced past" in forced and "--force" not in forced  # not the advice already taken
     monkeypatch.delenv(DEVICE_MEMORY_ENV)
     assert "not checked" in check_memory(cfg)  # on CPU it reports only
 
@@ -191,9 +192,11 @@ def test_run_and_resume_exit_2_before_any_work_and_force_goes_past(tmp_path):
 
 
 def test_solrl_plan_prints_each_stage_against_each_device(tmp_path):
-    out = _cli(["plan", "tiny-digits", "--gpu", "0.01", "--gpu", "80"], {}, tmp_path)
+    out = _cli(["plan", "tiny-digits", "--gpu", "0.01", "--gpu", "80", "--gpu", "H200"], {}, tmp_path)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.count("| update |") == 2 and "NO (by" in out.stdout and "| yes |" in out.stdout
+    assert out.stdout.count("| update |") == 3 and "NO (by" in out.stdout and "| yes |" in out.stdout
+    # a card by name is planned at the memory CUDA reports for it, as by default
+    assert "on an 80 GiB device" in out.stdout and "on an H200 141 GB (140.4 GiB)" in out.stdout
     assert "largest micro-batch" in out.stdout
 
 

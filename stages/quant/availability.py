@@ -17,6 +17,12 @@ from functools import cache
 
 #: Hardware precisions -> the compute capability they need; every other precision runs anywhere.
 HARDWARE = {"fp8": (8, 9), "nvfp4": (10, 0), "torchao_fp8": (8, 9), "torchao_nvfp4": (10, 0)}
+#: The GPU generations of each compute capability floor in ``HARDWARE``, as a refusal names them.
+GENERATIONS = {(8, 9): "Ada, Hopper or Blackwell", (10, 0): "Blackwell"}
+#: How Transformer Engine is installed: its PyTorch extension is a source distribution compiled against the
+#: installed CUDA torch, so without build isolation (its docs; ``transformer_engine[pytorch,core_cu13]`` for a
+#: CUDA 13 torch, docs/install.md).
+TE_INSTALL = "pip install --no-build-isolation 'transformer_engine[pytorch]>=2.9' (docs/install.md, GPU machines)"
 
 
 #: The first Transformer Engine release with ``is_fp8_available`` / ``is_nvfp4_available(return_reason=True)``.
@@ -29,7 +35,7 @@ def _transformer_engine_reason(precision: str) -> str | None:
         import transformer_engine
         import transformer_engine.pytorch as te
     except Exception as exc:  # ImportError, or a broken CUDA install raising anything at import
-        return f"Transformer Engine is not importable ({exc.__class__.__name__}); pip install 'solrl[gpu]'"
+        return f"Transformer Engine is not importable ({exc.__class__.__name__}); {TE_INSTALL}"
     return te_reason(te, getattr(transformer_engine, "__version__", "0"), precision)
 
 
@@ -43,7 +49,7 @@ def te_reason(te: object, version: str, precision: str) -> str | None:
     if parts < TE_MIN_VERSION or check is None:
         return (
             f"Transformer Engine {version} is older than {'.'.join(map(str, TE_MIN_VERSION))} (no te.{name}); "
-            "pip install 'solrl[gpu]'"
+            f"{TE_INSTALL}"
         )
     available = check(return_reason=True)
     ok, reason = available if isinstance(available, tuple) else (bool(available), "")
@@ -57,9 +63,13 @@ def unavailable_reason(precision: str) -> str | None:
         return None
     import torch
 
-    if not torch.cuda.is_available():
-        return "this machine has no CUDA device"
     need = HARDWARE[precision]
+    if not torch.cuda.is_available():
+        library = "torchao" if precision.startswith("torchao_") else "Transformer Engine"
+        return (
+            f"this machine has no CUDA device ({precision} needs a GPU of compute capability >= "
+            f"{need[0]}.{need[1]}, {GENERATIONS[need]}, and {library})"
+        )
     have = torch.cuda.get_device_capability()
     if have < need:
         name = torch.cuda.get_device_name()

@@ -197,7 +197,7 @@ def te_explore_copy(transformer: nn.Module, precision: str, skip: tuple[str, ...
         a module with the transformer's call signature that runs under TE autocast with ``te_recipe``.
 
     Raises:
-        ImportError: Transformer Engine is missing (``pip install 'solrl[gpu]'``). ValueError: bad precision, or
+        ImportError: Transformer Engine is missing (``availability.TE_INSTALL``). ValueError: bad precision, or
         the transformer is not on CUDA.
     """
     import transformer_engine.pytorch as te
