@@ -336,18 +336,17 @@ def plan(
     cards = {name.split()[0].lower(): (name, gib) for name, gib in GPU_SIZES.items()}
     sizes = []
     for given in gpu or []:
-        if given.lower() in cards:
-            name, gib = cards[given.lower()]
+        if given.strip().lower() in cards:
+            name, gib = cards[given.strip().lower()]
             sizes.append((f"{a_or_an(name)} {name} ({gib:.1f} GiB)", gib))
             continue
         try:
             gib = float(given)
-            shown = f"{gib:g}"
         except ValueError:
-            gib, shown = math.nan, given
+            gib = math.nan
         if not (math.isfinite(gib) and 0 < gib <= MAX_DEVICE_GIB):
             _fail(
-                f"--gpu {shown}: a device's memory is a number of GiB above 0 and at most {MAX_DEVICE_GIB:g}, "
+                f"--gpu {given}: a device's memory is a number of GiB above 0 and at most {MAX_DEVICE_GIB:g}, "
                 f"or one of {', '.join(cards)}"
             )
         sizes.append((f"{a_or_an(f'{gib:g}')} {gib:g} GiB device", gib))
@@ -356,8 +355,10 @@ def plan(
         import torch
 
         from solrl.stages.memory import GIB, cached_measure, fix_summary, format_plan, make_plan
+        from solrl.stages.models.adapter import weights_dtype
 
-        footprint = cached_measure(cfg, torch.bfloat16)
+        dtype = weights_dtype(torch.device("cuda"), cfg.model.dtype)  # as a run on a GPU holds them
+        footprint = cached_measure(cfg, dtype)
     except ConfigError as exc:
         _fail(str(exc))
     except NotImplementedError as exc:
@@ -374,7 +375,7 @@ def plan(
     except ConfigError as exc:  # e.g. a reward plug-in that declares no parameter count
         _fail(str(exc))
     for device, p in plans:
-        typer.echo(format_plan(p, f"{cfg.name} on {device}, bf16 weights"))
+        typer.echo(format_plan(p, f"{cfg.name} on {device}, {footprint.weights_dtype or dtype} weights"))
         found = fix_summary(cfg, p)
         typer.echo(
             f"largest explore batch {p.largest_explore_batch}, largest micro-batch {p.largest_micro_batch}"

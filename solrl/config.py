@@ -621,6 +621,12 @@ class RunConfig(_Section):
                 + LOSSES.declared(self.train.loss, "off_policy_note", "")
                 + ". Sol-RL regenerates the kept seeds in BF16 (regenerate.enabled=true)."
             )
+        if not self.regenerate.enabled and self.fidelity.min_spearman is not None:
+            found.append(
+                f"fidelity.min_spearman={self.fidelity.min_spearman} with regenerate.enabled=false: nothing is "
+                "regenerated in BF16, so proxy fidelity is not measured and neither the bound nor "
+                f"fidelity.on_low={self.fidelity.on_low} ever acts"
+            )
         return found
 
     @model_validator(mode="before")

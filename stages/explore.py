@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
 
 from solrl.registry import EXPLORE_BACKENDS
 from solrl.stages.context import StageContext
-from solrl.stages.quant.backends import sampling_network
+from solrl.stages.quant.backends import quantized_layers, sampling_network
 from solrl.stages.sampling.compiled import compile_metrics
 from solrl.stages.sampling.rollout import generate, trajectory_arrays
 from solrl.stages.sharding import WHOLE, Shard, prompts_per_part
@@ -17,21 +18,29 @@ from solrl.storage.stage import StageOutput, read_manifest
 
 
 def explore_precision(ctx: StageContext) -> tuple[str, list[str]]:
-    """The precision this iteration explores in: ``explore.precision``, unless the previous iteration's proxy
-    fidelity fell below ``fidelity.min_spearman`` with ``fidelity.on_low=bf16`` (then ``bf16``, with a warning).
+    """The precision this iteration explores in: ``explore.precision``, unless the previous iteration explored in
+    it and its proxy fidelity fell below ``fidelity.min_spearman`` with ``fidelity.on_low=bf16`` (then ``bf16``,
+    with a warning).
 
-    Reads the previous ``score_regenerate`` manifest, which the previous checkpoint (this stage's
-    ``StartingPolicy``) depends on, so the cache key covers it."""
+    An iteration without a fidelity measurement (``regenerate.enabled=false``: nothing is regenerated to compare
+    with) keeps the configured precision. An iteration that explored in bf16 measured bf16 against bf16, which
+    says nothing of the quantized copy, so the next one explores in ``explore.precision`` again and measures it.
+
+    Reads the previous ``explore`` and ``score_regenerate`` manifests, which the previous checkpoint (this stage's
+    ``StartingPolicy``) depends on, so the cache key covers them."""
     configured, bound = ctx.cfg.explore.precision, ctx.cfg.fidelity.min_spearman
     if bound is None or ctx.cfg.fidelity.on_low != "bf16" or ctx.iteration <= 1 or configured == "bf16":
         return configured, []
+    explored = read_manifest(ctx.run_dir, ctx.iteration - 1, "explore")
+    if explored is None or explored.info.get("precision") != configured:
+        return configured, []
     previous = read_manifest(ctx.run_dir, ctx.iteration - 1, "score_regenerate")
-    rho = previous.metrics.get("fidelity/spearman", float("nan")) if previous else float("nan")
-    if rho >= bound:
+    rho = previous.metrics.get("fidelity/spearman") if previous else None
+    if rho is None or math.isnan(rho) or rho >= bound:
         return configured, []
     return "bf16", [
         f"iteration {ctx.iteration - 1} proxy fidelity Spearman {rho:.3f} < {bound}: exploring in bf16 "
-        f"instead of {configured} this iteration"
+        f"instead of {configured} this iteration (the next explores in {configured} again and measures it)"
     ]
 
 
@@ -73,6 +82,12 @@ def explore(ctx: StageContext, out: Path, start: StartingPolicy | None, *, shard
         CandidatePool.writer(out, P, attrs) as writer,
     ):
         writer.put(0, seeds=seeds, prompt_index=prompt_index)
+        backend = EXPLORE_BACKENDS.get(precision)
+        if backend.low_precision and backend.__module__.startswith("solrl.") and not quantized_layers(net):
+            warnings.append(  # a breaker's finding: a huge min_dim made nvfp4_emulated a bf16 run, said nowhere
+                f"explore.precision={precision} quantizes no layer of this transformer (explore.min_dim="
+                f"{cfg.min_dim} and the family's skip rule leave none): the pool is sampled at the policy's precision"
+            )
         for first in range(0, P, step):
             last = min(first + step, P)
             traj = generate(

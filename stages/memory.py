@@ -217,6 +217,8 @@ class Footprint:
         sample: peak bytes of one no-grad sampling forward (explore, regenerate), per batch.
         decode: peak bytes of one VAE decode, per batch of images (0 for a pixel-space family).
         source: where the configs came from (the weights folder, or the published configs shipped with solrl).
+        weights_dtype: the dtype the transformer was measured in (``bfloat16``, or ``float32`` for a family
+            that keeps its weights in float32 whatever is asked).
     """
 
     family: str
@@ -236,6 +238,7 @@ class Footprint:
     decode: Linear
     source: str = ""
     notes: list[str] = field(default_factory=list)
+    weights_dtype: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -383,6 +386,7 @@ def measure(
         sample=sample,
         decode=decode,
         source=source,
+        weights_dtype=str(next(net.parameters()).dtype).removeprefix("torch."),
     )
 
 
@@ -456,6 +460,24 @@ def rewards_bytes(cfg: Any) -> tuple[int, int]:
     return kept, scored
 
 
+def sampling_batches(cfg: Any) -> tuple[int, int]:
+    """``(explore, bf16)``: the largest sampling batch each precision runs in one forward, in samples. Each is its
+    ``batch_size`` capped at the samples one stage draws: explore ``prompts_per_iteration * pool_size``; BF16 the
+    most of regenerate's ``prompts_per_iteration * select.k``, an audit's ``audit_prompts * pool_size`` and
+    evaluation's ``eval prompts * eval_seeds`` (its configured batch where the prompt files cannot be read)."""
+    P, N = cfg.campaign.prompts_per_iteration, cfg.explore.pool_size
+    explore = min(cfg.explore.batch_size, P * N)
+    try:
+        drawn = [len(cfg.eval_prompts()) * cfg.campaign.eval_seeds]
+    except ConfigError:
+        return explore, cfg.regenerate.batch_size
+    if cfg.regenerate.enabled:
+        drawn.append(P * cfg.select.k)
+    if cfg.fidelity.audit_every:
+        drawn.append(min(cfg.fidelity.audit_prompts, P) * N)
+    return explore, min(cfg.regenerate.batch_size, max(drawn))
+
+
 def make_plan(
     cfg: Any,
     footprint: Footprint,
@@ -485,20 +507,17 @@ def make_plan(
     kept_copy = explore_copy if cfg.explore.keep_copy == "device" else {}
     from solrl.stages.models.diffusers_family import DECODE_BATCH
 
-    decode_batch = min(DECODE_BATCH, cfg.explore.batch_size)
+    explore_batch, bf16_batch = sampling_batches(cfg)
+    decode_batch = min(DECODE_BATCH, explore_batch)
     stages = [
         StageNeed(
             "explore",
-            {
-                **resident,
-                **explore_copy,
-                "sampling": max(f.sample.at(cfg.explore.batch_size), f.decode.at(decode_batch)),
-            },
+            {**resident, **explore_copy, "sampling": max(f.sample.at(explore_batch), f.decode.at(decode_batch))},
         ),
         StageNeed("score", {**resident, **kept_copy, "rewards while scoring": scored}),
     ]
     if cfg.regenerate.enabled:  # else the kept explore samples are copied: nothing is sampled
-        regenerate = {"sampling": max(f.sample.at(cfg.regenerate.batch_size), f.decode.at(decode_batch))}
+        regenerate = {"sampling": max(f.sample.at(bf16_batch), f.decode.at(min(DECODE_BATCH, bf16_batch)))}
         stages.append(StageNeed("regenerate", {**resident, **kept_copy, **regenerate}))
     rows = math.ceil(tc.micro_batch / processes)
     activations = (f.train_checkpointed if checkpointing else f.train).at(rows)
@@ -715,7 +734,7 @@ def _cache_key(cfg: Any, dtype: torch.dtype) -> str:
     except ConfigError:
         stamp = 0
     model = without_unhashed("model", cfg.model.model_dump(mode="json", exclude={"device"}))
-    payload = [model, cfg.explore.min_dim, str(dtype), stamp, _backend_stamps(), 3]
+    payload = [model, cfg.explore.min_dim, str(dtype), stamp, _backend_stamps(), 4]  # 4: Footprint.weights_dtype
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:20]
 
 
@@ -799,7 +818,7 @@ def check_memory(cfg: Any, *, force: bool | None = None) -> str:
         return f"memory plan: not measured ({type(exc).__name__}: {exc}); not checked"
     plan = make_plan(cfg, footprint, device_bytes)
     peaks = ", ".join(f"{s.stage} {size(s.total)}" for s in plan.stages)
-    weights = f"{str(dtype).removeprefix('torch.')} weights"  # float32 on CPU: twice `solrl plan`'s bf16
+    weights = f"{footprint.weights_dtype} weights"  # float32 on CPU: twice `solrl plan`'s bf16
     usable = plan.usable
     if usable is None:
         return f"memory plan ({weights}, peak per device, {device}: not checked): {peaks}"

@@ -13,7 +13,7 @@ from solrl.stages.metrics.fidelity import group_agreement, rank_agreement
 from solrl.stages.rewards import Reward, Scores, build_reward, release_rewards, score_all
 from solrl.stages.sharding import WHOLE, Shard, prompts_per_part
 from solrl.storage.artifacts import CandidatePool, ExploreRewards, FidelityTable, RegeneratedRewards, Samples, Selection
-from solrl.storage.stage import StageOutput
+from solrl.storage.stage import StageOutput, read_manifest
 
 
 def score_images(
@@ -266,10 +266,15 @@ def _regenerate_summary(
     metrics["fidelity/explore_minus_bf16"] = float((explore_kept - bf16).mean())
     warnings = []
     if (alarm := fidelity_alarm(metrics, ctx.cfg.fidelity.min_spearman, ctx.iteration)) is not None:
-        action = (
-            "the next iteration explores in bf16"
-            if ctx.cfg.fidelity.on_low == "bf16"
-            else "explore stays as configured (fidelity.on_low=warn)"
-        )
+        configured = ctx.cfg.explore.precision
+        explored = read_manifest(ctx.run_dir, ctx.iteration, "explore")
+        if ctx.cfg.fidelity.on_low != "bf16":
+            action = "explore stays as configured (fidelity.on_low=warn)"
+        elif explored is not None and explored.info.get("precision") != configured:
+            action = (
+                f"this iteration explored in bf16 (fidelity.on_low=bf16), so the next explores in {configured} again"
+            )
+        else:
+            action = "the next iteration explores in bf16"
         warnings.append(f"{alarm.message}; {action}")
     return StageOutput(metrics=metrics, info={"warnings": warnings})

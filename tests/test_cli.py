@@ -39,7 +39,16 @@ runner = CliRunner()
         (["run", "--set", "campaign.on_guard=halt"], "campaign.on_guard: Input should be 'warn' or 'stop'"),
         (["plan", "--gpu", "nan"], "--gpu nan: a device's memory is a number of GiB above 0 and at most 4096"),
         (["plan", "--gpu", "0"], "--gpu 0: a device's memory"),
-        (["plan", "--gpu", "1e30"], "--gpu 1e+30: a device's memory"),
+        (["plan", "--gpu", "1e30"], "--gpu 1e30: a device's memory"),
+        (
+            ["plan", "--gpu", "4096.0001"],
+            "--gpu 4096.0001: a device's memory is a number of GiB above 0 and at most 4096",
+        ),
+        # a breaker's finding: plan printed diffusers' hub traceback where run names the missing file
+        (
+            ["plan", "tiny-digits", "--set", "model.path=/nonexistent"],
+            "model.path: /nonexistent/transformer/config.json",
+        ),
         (
             ["plan", "--gpu", "H100x"],
             "--gpu H100x: a device's memory is a number of GiB above 0 and at most 4096, or one of h100, h200, b200",

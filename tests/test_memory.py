@@ -97,6 +97,33 @@ def test_the_plan_adds_up_and_its_largest_batches_fit_exactly(digits_footprint):
     assert [s.stage for s in make_plan(copied, footprint, device).stages] == ["explore", "score", "update"]
 
 
+def test_a_sampling_batch_larger_than_the_samples_drawn_is_planned_at_the_samples_drawn(digits_footprint):
+    """A breaker's finding: ``explore.batch_size=1000`` with 2 prompts of 8 candidates was planned as 1000 samples
+    in one forward (and refused on a GPU) where explore draws 16. Each precision's batch is capped at what its
+    stages draw at most: explore 2 x 8; BF16 the most of regenerate (2 x k), the audit and evaluation."""
+    from solrl.stages.memory import sampling_batches
+
+    cfg, footprint = digits_footprint
+
+    def planned(explore: int, bf16: int) -> dict[str, int]:
+        sized = cfg.model_copy(
+            update={
+                "campaign": cfg.campaign.model_copy(update={"prompts_per_iteration": 2}),
+                "explore": cfg.explore.model_copy(update={"pool_size": 8, "batch_size": explore}),
+                "select": cfg.select.model_copy(update={"k": 4}),
+                "regenerate": cfg.regenerate.model_copy(update={"batch_size": bf16}),
+            }
+        )
+        return {s.stage: s.parts["sampling"] for s in make_plan(sized, footprint, None).stages if "sampling" in s.parts}
+
+    evaluation = len(cfg.eval_prompts()) * cfg.campaign.eval_seeds
+    drawn = max(2 * 4, min(cfg.fidelity.audit_prompts, 2) * 8, evaluation)
+    assert planned(1000, 1000) == planned(16, drawn) != planned(8, 4)
+    over = cfg.model_copy(update={"explore": cfg.explore.model_copy(update={"batch_size": 100_000})})
+    P, N = cfg.campaign.prompts_per_iteration, cfg.explore.pool_size
+    assert sampling_batches(over)[0] == P * N
+
+
 def test_the_explore_copy_is_resident_outside_explore_only_with_keep_copy_device(digits_footprint):
     cfg, footprint = digits_footprint
     copy = footprint.explore_copy[cfg.explore.precision]
@@ -108,6 +135,7 @@ def test_the_explore_copy_is_resident_outside_explore_only_with_keep_copy_device
         for stage in ("score", "regenerate", "update"):
             assert ("explore copy" in stages[stage]) == elsewhere, (keep, stage)
     # A device on which the resident copy alone makes regenerate (a large batch) not fit: the fix names keep_copy.
+    # (256 evaluation seeds a prompt, so that BF16 sampling draws the batch in one forward.)
     from solrl.stages.memory import RESERVE_FRACTION, fixes
 
     def trial(keep):
@@ -115,6 +143,7 @@ def test_the_explore_copy_is_resident_outside_explore_only_with_keep_copy_device
             update={
                 "explore": cfg.explore.model_copy(update={"keep_copy": keep}),
                 "regenerate": cfg.regenerate.model_copy(update={"batch_size": 8 * cfg.explore.batch_size}),
+                "campaign": cfg.campaign.model_copy(update={"eval_seeds": 256}),
                 "train": cfg.train.model_copy(update={"micro_batch": 1}),
             }
         )
@@ -197,7 +226,28 @@ def test_solrl_plan_prints_each_stage_against_each_device(tmp_path):
     assert out.stdout.count("| update |") == 3 and "NO (by" in out.stdout and "| yes |" in out.stdout
     # a card by name is planned at the memory CUDA reports for it, as by default
     assert "on an 80 GiB device" in out.stdout and "on an H200 141 GB (140.4 GiB)" in out.stdout
+    assert "float32 weights" in out.stdout  # tiny-digits keeps its shipped float32 weights on every device
     assert "largest micro-batch" in out.stdout
+
+
+def test_solrl_plan_plans_the_weights_dtype_a_gpu_run_would_hold():
+    """A breaker's finding: plan measured bf16 whatever ``model.dtype`` said, so a float32 config fitted in the
+    plan and was refused by run's own check. ``auto`` is bf16 on a GPU; ``float32`` is planned as float32."""
+    from typer.testing import CliRunner
+
+    from solrl.cli import app
+
+    def update(*overrides: str) -> tuple[str, float]:
+        out = CliRunner().invoke(
+            app, ["plan", "tiny-sd3", "--gpu", "80", *(w for o in overrides for w in ("--set", o))]
+        )
+        assert out.exit_code == 0, out.output
+        header = next(line for line in out.stdout.splitlines() if " weights: " in line)
+        row = next(line for line in out.stdout.splitlines() if line.startswith("| update |"))
+        return header.split(", ")[-1].split(" weights")[0], float(row.split("|")[2].split()[0])
+
+    (auto, auto_gib), (full, full_gib) = update(), update("model.dtype=float32")
+    assert (auto, full) == ("bfloat16", "float32") and full_gib > auto_gib
 
 
 def test_gradient_checkpointing_trains_the_same_lora(tmp_path):
@@ -236,7 +286,8 @@ def test_the_largest_explore_batch_fits_exactly_with_its_vae_decode():
     from solrl.stages.memory import RESERVE_FRACTION
     from solrl.stages.models.diffusers_family import DECODE_BATCH
 
-    cfg = load_config("tiny-flux", ["model.device=cpu"])
+    # 8 prompts of 8 candidates: 64 samples drawn, above every batch tried (a batch is planned at most at that)
+    cfg = load_config("tiny-flux", ["model.device=cpu", "campaign.prompts_per_iteration=8"])
     footprint = measure(cfg, weights_dtype=torch.float32)
     explore = make_plan(cfg, footprint, None).stages[0]
     fixed = explore.total - explore.parts["sampling"]

@@ -125,7 +125,42 @@ def test_audit_regenerates_whole_pools_and_reports_true_ranks(iteration_one):
     assert float(first["bf16_reward"].iloc[0]) == pytest.approx(float(again["weighted"].sum()), abs=1e-5)
 
 
+def test_an_explore_copy_that_quantizes_no_layer_says_so(iteration_one, tmp_path):
+    """A breaker's finding: ``explore.min_dim`` above every layer made ``nvfp4_emulated`` sample in full precision,
+    and the run, its manifests and ``inspect`` all still said nvfp4_emulated."""
+    from conftest import tiny_config
+
+    _, manifests = iteration_one
+    assert not manifests["explore"].info["warnings"]  # the usual copy quantizes
+    cfg = tiny_config(tmp_path, "explore.min_dim=100000000")
+    run = create_run(cfg, "unquantized")
+    manifest, _ = run_stage(StageContext(cfg, run.run_dir, run.run_id, 1), "explore")
+    assert manifest.info["warnings"] == [
+        "explore.precision=nvfp4_emulated quantizes no layer of this transformer (explore.min_dim=100000000 and the "
+        "family's skip rule leave none): the pool is sampled at the policy's precision"
+    ]
+
+
+def test_sampling_draws_no_progress_bar_into_a_log_file(iteration_one, capsys):
+    """A breaker's finding: a run redirected to a file still wrote tqdm's bars there, while the docs (and the
+    campaign's own progress) say a log file gets one line per iteration. Here stderr is pytest's capture."""
+    from solrl.stages.quant.backends import sampling_network
+    from solrl.stages.sampling.rollout import generate
+
+    ctx, _ = iteration_one
+    policy = ctx.load_policy(None)
+    capsys.readouterr()
+    with sampling_network(policy, "bf16") as (net, _):
+        prompt = ctx.iteration_prompts()[1][0]
+        generate(policy.model, net, [prompt] * 4, [1, 2, 3, 4], 1, 1, desc="bar-check")  # 4 batches: a bar on a tty
+    assert "bar-check" not in capsys.readouterr().err
+
+
 def test_low_fidelity_switches_the_next_explore_to_bf16_when_asked(tmp_path):
+    """``fidelity.on_low=bf16``: an iteration whose quantized explore ranked badly sends the next to bf16; that one
+    measured bf16 against bf16, so the one after explores quantized again; an iteration without a measurement
+    (a breaker's finding: naive-FP4's missing Spearman read as NaN, and NaN < bound sent it to bf16) changes
+    nothing."""
     from conftest import tiny_config
 
     from solrl.stages.explore import explore_precision
@@ -133,13 +168,27 @@ def test_low_fidelity_switches_the_next_explore_to_bf16_when_asked(tmp_path):
 
     cfg = tiny_config(tmp_path, "fidelity.min_spearman=0.5", "fidelity.on_low=bf16")
     run = create_run(cfg, "fallback")
-    commit(
-        run.run_dir, run.run_id, 1, "score_regenerate", "k", lambda out: StageOutput(metrics={"fidelity/spearman": 0.2})
-    )
-    precision, warnings = explore_precision(StageContext(cfg, run.run_dir, run.run_id, 2))
-    assert precision == "bf16" and "0.200 < 0.5" in warnings[0]
+
+    def iteration(i: int, precision: str, metrics: dict[str, float]) -> None:
+        commit(run.run_dir, run.run_id, i, "explore", "k", lambda out: StageOutput(info={"precision": precision}))
+        commit(run.run_dir, run.run_id, i, "score_regenerate", "k", lambda out: StageOutput(metrics=metrics))
+
+    def precision_at(i: int, config=cfg) -> tuple[str, list[str]]:
+        return explore_precision(StageContext(config, run.run_dir, run.run_id, i))
+
+    iteration(1, "nvfp4_emulated", {"fidelity/spearman": 0.2})
+    precision, warnings = precision_at(2)
+    assert precision == "bf16" and "0.200 < 0.5" in warnings[0] and "again" in warnings[0]
     warn_only = tiny_config(tmp_path, "fidelity.min_spearman=0.5")
-    assert explore_precision(StageContext(warn_only, run.run_dir, run.run_id, 2)) == ("nvfp4_emulated", [])
+    assert precision_at(2, warn_only) == ("nvfp4_emulated", [])
+    iteration(2, "bf16", {"fidelity/spearman": 0.1})  # bf16 against bf16: not the quantized copy's fidelity
+    assert precision_at(3) == ("nvfp4_emulated", [])
+    iteration(3, "nvfp4_emulated", {})  # regenerate.enabled=false: no fidelity measured
+    assert precision_at(4) == ("nvfp4_emulated", [])
+    iteration(4, "nvfp4_emulated", {"fidelity/spearman": float("nan")})
+    assert precision_at(5) == ("nvfp4_emulated", [])
+    naive = tiny_config(tmp_path, "regenerate.enabled=false", "fidelity.min_spearman=0.5", "fidelity.on_low=bf16")
+    assert any("proxy fidelity is not measured and neither the bound" in w for w in naive.warnings())
 
 
 def test_update_trains_the_policy_adapter_only_and_starts_on_policy(iteration_one):

@@ -255,6 +255,8 @@ class TinyDigits(ModelAdapter):
 
         dtype = torch.float32  # ``load`` keeps the shipped float32 weights on every device
         root = cls.weights_dir(cfg)
+        if not (root / "transformer" / "config.json").is_file():  # else diffusers takes the folder for a hub id
+            cls.check_runnable(cfg)  # raises ConfigError naming the missing file and how to rebuild the weights
         config = SanaTransformer2DModel.load_config(root / "transformer")
         if blocks is not None:
             config["num_layers"] = min(

@@ -349,6 +349,16 @@ def _release(policy: Policy, key: tuple[str, int, str], keep_copy: str) -> None:
         move_owned_(net, policy.transformer, "cpu")
 
 
+def quantized_layers(net: nn.Module) -> int:
+    """How many layers of the sampling network ``net`` compute quantized, as solrl's own backends build them: the
+    emulated copies' ``FakeQuantLinear``, Transformer Engine's ``RowPadded`` layers, a torchao copy's
+    ``ao_layers`` (0 for bf16; a plug-in backend's layers are its own, and not counted)."""
+    from solrl.stages.quant.hardware import RowPadded
+
+    ao = sum(len(m.ao_layers) for m in net.modules() if hasattr(m, "ao_layers"))
+    return ao + sum(isinstance(m, (FakeQuantLinear, RowPadded)) for m in net.modules())
+
+
 def rollout_network(
     policy: Policy, precision: str, min_dim: int = 0, activation_scale: str = "sample", keep_copy: str = "device"
 ) -> AbstractContextManager[nn.Module]:

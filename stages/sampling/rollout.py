@@ -51,7 +51,8 @@ def generate(
     sigmas = model.sigmas(steps)
     parts = []
     chunks = batched(len(prompts), batch_size)
-    for chunk in tqdm(chunks, desc=desc, unit="batch", disable=len(chunks) < 4, leave=False):
+    # disable=None: no bar where stderr is not a terminal (a log file, CI), as the campaign's own progress does
+    for chunk in tqdm(chunks, desc=desc, unit="batch", disable=True if len(chunks) < 4 else None, leave=False):
         cond = model.encode(list(prompts[chunk]))
 
         def velocity(x: torch.Tensor, sigma: torch.Tensor, cond: Conditioning = cond) -> torch.Tensor:
