@@ -113,7 +113,7 @@ def shard_task(store: str, run_id: str, iteration: int, stage: str, index: int, 
     run = open_run(store, run_id)
     ctx = StageContext.of(run, iteration)
     logger = get_run_logger()
-    shard = Shard(index, count)
+    shard = Shard(index, count, STAGES[stage].block(ctx.cfg))
     with stage_notes(logger):
         manifest, skipped = run_shard(ctx, stage, shard)
     if not skipped:

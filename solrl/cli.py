@@ -417,7 +417,9 @@ def run(
             created = create_run(cfg, run_id, weights=model_family(cfg.model).weights_fingerprint(cfg.model))
         except ConfigError as exc:
             _fail(str(exc))
-        for warning in [*cfg.warnings(), *cfg.prompt_warnings()]:
+        from solrl.stages.pipeline import shard_warnings
+
+        for warning in [*cfg.warnings(), *cfg.prompt_warnings(), *shard_warnings(cfg)]:
             typer.echo(f"solrl: warning: {warning}", err=True)
         typer.echo(
             f"run {created.run_id}: {cfg.campaign.iterations} iteration{'s' * (cfg.campaign.iterations != 1)}, "
@@ -520,7 +522,11 @@ def resume(
     store: StoreOption = "runs",
     shards: Annotated[
         int | None,
-        typer.Option(min=1, help="Continue with this many prompt shards (campaign.shards; results do not change)."),
+        typer.Option(
+            min=1,
+            help="Continue with this many prompt shards (campaign.shards: the same results, warned where a shard "
+            "count must split a batch).",
+        ),
     ] = None,
     force: ForceOption = False,
     past_guard: Annotated[
@@ -545,6 +551,10 @@ def resume(
                 if shards is not None:
                     set_shards(store, run_id, shards)
                     run_ = open_run(store, run_id)
+                    from solrl.stages.pipeline import shard_warnings
+
+                    for warning in shard_warnings(run_.config):
+                        typer.echo(f"solrl: warning: {warning}", err=True)
                 if past_guard:
                     from solrl.stages.guards import pass_guard_stop
 

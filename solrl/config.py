@@ -844,8 +844,9 @@ def _registered(registry: Any, name: str, field: str) -> Any:
     return entry
 
 
-#: Config fields that lay the work out without changing any result: not part of the config hash, so a run may
-#: be resumed with other values (``campaign.shards``).
+#: Config fields that lay the work out without changing what is computed: not part of the config hash, so a run
+#: may be resumed with other values (``campaign.shards``; bit for bit where its shards hold whole batches,
+#: ``solrl.stages.pipeline.shard_warnings``).
 LAYOUT_FIELDS = (
     ("campaign", "shards"),
     ("explore", "keep_copy"),

@@ -20,16 +20,22 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 
-from solrl.config import RunConfig
+from solrl.config import ConfigError, RunConfig
 from solrl.stages.audit import audit, audit_due, audit_prompts, reduce_audit
 from solrl.stages.checkpoint import checkpoint
 from solrl.stages.context import StageContext
 from solrl.stages.evaluate import evaluate, evaluation_due, reduce_evaluate
 from solrl.stages.explore import explore
 from solrl.stages.regenerate import regenerate
-from solrl.stages.score import reduce_score_explore, reduce_score_regenerate, score_explore, score_regenerate
+from solrl.stages.score import (
+    reduce_score_explore,
+    reduce_score_regenerate,
+    reward_batches,
+    score_explore,
+    score_regenerate,
+)
 from solrl.stages.select import select
-from solrl.stages.sharding import Shard
+from solrl.stages.sharding import Shard, prompts_per_part
 from solrl.stages.update import update
 from solrl.storage.artifacts import (
     Artifact,
@@ -78,6 +84,8 @@ class Stage:
     prompts: Callable[[RunConfig], int] = lambda cfg: cfg.campaign.prompts_per_iteration
     #: ``due(cfg, iteration)``: whether the stage runs at that iteration (every iteration by default).
     due: Callable[[RunConfig, int], bool] = lambda cfg, iteration: True
+    #: The prompts of one batching block (``Shard.block``): a shard holding whole blocks holds whole batches.
+    block: Callable[[RunConfig], int] = lambda cfg: 1
 
     @cached_property
     def reads(self) -> tuple[type[Artifact], ...]:
@@ -96,16 +104,56 @@ class Stage:
         return tuple(reads)
 
 
+def _bf16_block(cfg: RunConfig, per_prompt: int, rewards: list[str]) -> int:
+    """The batching block of a stage that samples ``per_prompt`` samples a prompt in BF16 (batches of
+    ``regenerate.batch_size``), decodes them (chunks of ``DECODE_BATCH``) and scores them with ``rewards``."""
+    from solrl.stages.models.diffusers_family import DECODE_BATCH
+
+    return prompts_per_part(per_prompt, [cfg.regenerate.batch_size, DECODE_BATCH, *reward_batches(cfg, rewards)])
+
+
+def _blocks() -> dict[str, Callable[[RunConfig], int]]:
+    """Each sharded stage's batching block, in prompts: the fewest prompts whose samples fill whole batches of every
+    size it samples, decodes or scores in (``prompts_per_part``; counted per image, so a video's frames only make a
+    block a multiple of the least one). The explore stage decodes each part it samples: its sampling batch sets it."""
+    weights = lambda cfg: list(cfg.reward.weights)  # noqa: E731
+    return {
+        "explore": lambda cfg: prompts_per_part(cfg.explore.pool_size, [cfg.explore.batch_size]),
+        "score_explore": lambda cfg: prompts_per_part(cfg.explore.pool_size, reward_batches(cfg, weights(cfg))),
+        "regenerate": lambda cfg: _bf16_block(cfg, cfg.select.k, []) if cfg.regenerate.enabled else 1,
+        "score_regenerate": lambda cfg: prompts_per_part(cfg.select.k, reward_batches(cfg, weights(cfg))),
+        "audit": lambda cfg: _bf16_block(cfg, cfg.explore.pool_size, weights(cfg)),
+        "evaluate": lambda cfg: _bf16_block(
+            cfg, cfg.campaign.eval_seeds, list(dict.fromkeys([*cfg.reward.weights, *cfg.reward.evaluate]))
+        ),
+    }
+
+
+_BLOCK = _blocks()
 ITERATION: tuple[Stage, ...] = (
-    Stage("explore", explore, CandidatePool),
-    Stage("score_explore", score_explore, ExploreRewards, reduce_score_explore),
+    Stage("explore", explore, CandidatePool, block=_BLOCK["explore"]),
+    Stage("score_explore", score_explore, ExploreRewards, reduce_score_explore, block=_BLOCK["score_explore"]),
     Stage("select", select),
-    Stage("regenerate", regenerate, Samples),
-    Stage("score_regenerate", score_regenerate, RegeneratedRewards, reduce_score_regenerate),
-    Stage("audit", audit, AuditPool, reduce_audit, audit_prompts, audit_due),
+    Stage("regenerate", regenerate, Samples, block=_BLOCK["regenerate"]),
+    Stage(
+        "score_regenerate",
+        score_regenerate,
+        RegeneratedRewards,
+        reduce_score_regenerate,
+        block=_BLOCK["score_regenerate"],
+    ),
+    Stage("audit", audit, AuditPool, reduce_audit, audit_prompts, audit_due, block=_BLOCK["audit"]),
     Stage("update", update),
     Stage("checkpoint", checkpoint),
-    Stage("evaluate", evaluate, EvalSamples, reduce_evaluate, lambda cfg: len(cfg.eval_prompts()), evaluation_due),
+    Stage(
+        "evaluate",
+        evaluate,
+        EvalSamples,
+        reduce_evaluate,
+        lambda cfg: len(cfg.eval_prompts()),
+        evaluation_due,
+        block=_BLOCK["evaluate"],
+    ),
 )
 STAGES = {stage.name: stage for stage in ITERATION}
 
@@ -163,16 +211,50 @@ def shards_folder(name: str) -> str:
 
 
 def stage_shards(ctx: StageContext, stage: Stage) -> list[Shard]:
-    """The shards ``stage`` runs as at ``ctx.iteration``: ``campaign.shards`` of them, at most one per prompt;
-    one (the whole stage) for a stage that does not shard."""
+    """The shards ``stage`` runs as at ``ctx.iteration``: ``campaign.shards`` of them, at most one per prompt, over
+    the stage's batching blocks (``Stage.block``); one (the whole stage) for a stage that does not shard."""
     if stage.sharded is None:
         return [Shard()]
     count = min(ctx.cfg.campaign.shards, stage.prompts(ctx.cfg))
-    return [Shard(index, count) for index in range(count)]
+    block = stage.block(ctx.cfg)
+    return [Shard(index, count, block) for index in range(count)]
+
+
+#: The sharded stages whose outputs the update trains on (an evaluation's or an audit's last bits change only
+#: what they report).
+TRAINING_PATH = ("explore", "score_explore", "regenerate", "score_regenerate")
+
+
+def shard_warnings(cfg: RunConfig) -> list[str]:
+    """What ``campaign.shards`` means for the results: one warning naming the stages on the training path whose
+    shards must split a batch (fewer batching blocks than shards), so that another shard count can train on other
+    last bits; [] where every such shard holds whole batches (or ``campaign.shards`` is 1)."""
+    split = []
+    for stage in ITERATION:
+        if stage.name not in TRAINING_PATH or cfg.campaign.shards == 1:
+            continue
+        try:
+            prompts = stage.prompts(cfg)
+        except ConfigError:  # unreadable prompt files: run and resume refuse them on their own
+            continue
+        count, block = min(cfg.campaign.shards, prompts), stage.block(cfg)
+        if count > 1 and Shard(0, count, block).splits_batches(prompts):
+            split.append(f"{stage.name} (whole batches every {block} prompts, of {prompts})")
+    if not split:
+        return []
+    return [
+        f"campaign.shards={cfg.campaign.shards} splits batches of {', '.join(split)}: where a matrix product rounds "
+        "by the batch around a row (many CPUs and GPUs), the results can differ in their last bits from another "
+        "shard count's, and a later iteration's low-precision explore can turn that into other kept seeds; "
+        "smaller batch sizes or fewer shards keep every batch whole"
+    ]
 
 
 def _shard_key(key: str, shard: Shard) -> str:
-    return hashlib.sha256(f"{key}:{shard.name}".encode()).hexdigest()
+    """The inputs hash of ``shard``'s folder: the stage's, its shard, and its block where the shard is laid out
+    over blocks of several prompts (the same name then holds other prompts)."""
+    block = f":block {shard.block}" if shard.block != 1 else ""
+    return hashlib.sha256(f"{key}:{shard.name}{block}".encode()).hexdigest()
 
 
 def run_shard(ctx: StageContext, name: str, shard: Shard) -> tuple[StageManifest, bool]:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
+from solrl.config import RunConfig
 from solrl.stages.context import StageContext
 from solrl.stages.guards import fidelity_alarm
 from solrl.stages.metrics.fidelity import group_agreement, rank_agreement
@@ -131,16 +133,16 @@ def with_columns(frame: pd.DataFrame, name: str, scored: Scores, table: str) -> 
     return frame
 
 
-def _reward_batches(ctx: StageContext, names: dict[str, float]) -> list[int]:
+def reward_batches(cfg: RunConfig, names: Iterable[str]) -> list[int]:
     """The batch sizes the rewards ``names`` score in (``batch_size`` of their options; none for a reward
     without one, or that scores whole groups)."""
     from solrl.stages.rewards.base import reward_class, reward_options
 
     sizes = []
     for name in names:
-        if reward_class(name, ctx.cfg.reward.models).inputs == "group":
+        if reward_class(name, cfg.reward.models).inputs == "group":
             continue
-        size = getattr(reward_options(name, ctx.cfg.reward.models), "batch_size", None)
+        size = getattr(reward_options(name, cfg.reward.models), "batch_size", None)
         if isinstance(size, int) and size > 0:
             sizes.append(size)
     return sizes
@@ -154,7 +156,7 @@ def _score_pool(ctx: StageContext, pool: CandidatePool) -> dict[str, Scores]:
     frames = 1
     if pool.images.ndim == 6:  # videos: the reward sees every frame_stride-th frame of each
         frames = len(range(0, pool.images.shape[2], ctx.cfg.reward.frame_stride))
-    step = min(P, prompts_per_part(N * frames, _reward_batches(ctx, names)))
+    step = min(P, prompts_per_part(N * frames, reward_batches(ctx.cfg, names)))
     metadata = ctx.train_metadata(pool.prompt_index, N)
     parts: list[dict[str, Scores]] = []
     try:

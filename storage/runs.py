@@ -221,7 +221,7 @@ def open_run(root: str | Path, run_id: str) -> Run:
 def set_shards(root: str | Path, run_id: str, shards: int) -> None:
     """Record a new ``campaign.shards`` in the run's ``run.json`` (atomically; the caller holds no other writer).
 
-    The shard count lays the work out without changing any result (``solrl.config.LAYOUT_FIELDS``), so the
+    The shard count lays the work out without changing what is computed (``solrl.config.LAYOUT_FIELDS``), so the
     config hash and every committed stage stay valid: a run killed with 2 shards may resume with 4.
 
     Raises:

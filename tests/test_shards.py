@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +37,61 @@ def test_shards_split_the_prompts_into_contiguous_non_empty_blocks_in_order(coun
     assert max(map(len, blocks)) - min(map(len, blocks)) <= 1
     with pytest.raises(ValueError, match="outside"):
         Shard(count, count)
+
+
+def test_shard_boundaries_fall_between_batching_blocks_where_there_are_enough_blocks():
+    """With ``block`` prompts to a batching block, shards hold whole blocks (so whole batches) where there are at
+    least as many blocks as shards; else the prompts split evenly, as with blocks of one prompt."""
+
+    def layout(count: int, block: int, prompts: int = 7) -> list[list[int]]:
+        return [list(Shard(index, count, block).positions(prompts)) for index in range(count)]
+
+    assert layout(2, 2) == [[0, 1, 2, 3], [4, 5, 6]]  # 4 blocks (the last one short); evenly: [0, 1, 2] [3..6]
+    assert layout(3, 2) == [[0, 1], [2, 3], [4, 5, 6]]
+    assert layout(2, 3) == [[0, 1, 2], [3, 4, 5, 6]] and layout(3, 3) == [[0, 1, 2], [3, 4, 5], [6]]
+    assert layout(4, 2) == [[0, 1], [2, 3], [4, 5], [6]]
+    assert layout(5, 2) == layout(5, 1) == [[0], [1], [2, 3], [4], [5, 6]]  # 4 blocks < 5 shards: split evenly
+    assert Shard(0, 5, 2).splits_batches(7) and not Shard(0, 4, 2).splits_batches(7)
+    with pytest.raises(ValueError, match="block 0"):
+        Shard(0, 1, 0)
+
+
+def test_shards_of_whole_batches_regenerate_bit_for_bit_and_a_count_that_splits_them_is_warned(tmp_path: Path):
+    """A breaker's finding: ``solrl run`` with 3 shards regenerated other last bits than with 1 (regenerate batches of
+    256 across 4 prompts: 3 shards must split them), and two iterations later kept other seeds. Six prompts of 4
+    kept seeds in batches of 16: whole batches every 4 prompts; 2 shards split evenly at prompt 3, inside a batch,
+    and over blocks at prompt 4, between batches: the same bits as one shard. A count that must split a batch on
+    the training path is warned (4 shards: 2 blocks)."""
+    from solrl.stages.pipeline import shard_warnings
+    from solrl.storage.artifacts import Samples
+    from solrl.storage.stage import stage_dir
+
+    extra = ("campaign.prompts_per_iteration=6", "explore.batch_size=8", "regenerate.batch_size=16")
+    cfg = tiny_config(tmp_path, *extra, "reward.models={digit_alignment: {batch_size: 8}}")
+    assert {name: STAGES[name].block(cfg) for name in ("explore", "score_explore", "regenerate")} == {
+        "explore": 1,
+        "score_explore": 1,
+        "regenerate": 4,
+    }
+    run = create_run(cfg, RUN_ID)
+    ctx = StageContext(cfg, run.run_dir, run.run_id, 1, run.config_hash)
+    for stage in ("explore", "score_explore", "select"):
+        run_stage(ctx, stage)
+    regenerated = {}
+    for shards in (1, 2):
+        sharded = cfg.model_copy(update={"campaign": cfg.campaign.model_copy(update={"shards": shards})})
+        run_stage(StageContext(sharded, run.run_dir, run.run_id, 1, run.config_hash), "regenerate")
+        regenerated[shards] = Samples.read(stage_dir(run.run_dir, 1, "regenerate") / Samples.filename)
+        shutil.rmtree(stage_dir(run.run_dir, 1, "regenerate"))
+    np.testing.assert_array_equal(regenerated[2].latents, regenerated[1].latents)
+    np.testing.assert_array_equal(regenerated[2].images, regenerated[1].images)
+    assert shard_warnings(cfg.model_copy(update={"campaign": cfg.campaign.model_copy(update={"shards": 2})})) == []
+    four = cfg.model_copy(update={"campaign": cfg.campaign.model_copy(update={"shards": 4})})
+    (warning,) = shard_warnings(four)
+    assert warning.startswith(
+        "campaign.shards=4 splits batches of regenerate (whole batches every 4 prompts, of 6), score_regenerate "
+        "(whole batches every 2 prompts, of 6): where a matrix product rounds by the batch around a row"
+    )
 
 
 def campaign(store: str, shards: int, fault: str | None = None) -> None:
