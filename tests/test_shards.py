@@ -200,8 +200,9 @@ def test_a_shard_killed_mid_write_is_redone_alone_and_a_resume_may_change_the_sh
     assert first is not None and read_manifest(run.run_dir, 1, "explore.shards/001-of-002") is None
     assert read_manifest(run.run_dir, 1, "explore") is None
     assert [s.name for s in stage_shards(ctx, STAGES["explore"])] == ["000-of-002", "001-of-002"]
-    assert run_shard(ctx, "explore", Shard(0, 2))[1] is True  # committed: kept
-    assert run_shard(ctx, "explore", Shard(1, 2))[1] is False  # redone alone
+    first_shard, second_shard = stage_shards(ctx, STAGES["explore"])  # over explore's batching blocks
+    assert run_shard(ctx, "explore", first_shard)[1] is True  # committed: kept
+    assert run_shard(ctx, "explore", second_shard)[1] is False  # redone alone
     assert read_manifest(run.run_dir, 1, "explore.shards/000-of-002").created == first.created
     assert not [p for p in folder.iterdir() if ".tmp-" in p.name]
 
