@@ -330,9 +330,9 @@ def plan(
 
     Measured on PyTorch's meta device from the transformer's and VAE's configs (the weights folder's, else the
     published configs solrl ships): no weights are read and no GPU is needed."""
+    _quiet_environment()  # before anything imports huggingface_hub, which reads HF_HUB_OFFLINE once
     from solrl.stages.memory import GPU_SIZES, a_or_an
 
-    _quiet_environment()
     cards = {name.split()[0].lower(): (name, gib) for name, gib in GPU_SIZES.items()}
     sizes = []
     for given in gpu or []:
