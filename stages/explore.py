@@ -17,6 +17,12 @@ from solrl.storage.artifacts import CandidatePool, StartingPolicy
 from solrl.storage.stage import StageOutput, read_manifest
 
 
+def explored_in(ctx: StageContext, iteration: int) -> str | None:
+    """The precision iteration ``iteration`` explored in, from its committed explore manifest (None: not committed)."""
+    manifest = read_manifest(ctx.run_dir, iteration, "explore")
+    return None if manifest is None else manifest.info.get("precision")
+
+
 def explore_precision(ctx: StageContext) -> tuple[str, list[str]]:
     """The precision this iteration explores in: ``explore.precision``, unless the previous iteration explored in
     it and its proxy fidelity fell below ``fidelity.min_spearman`` with ``fidelity.on_low=bf16`` (then ``bf16``,
@@ -31,8 +37,7 @@ def explore_precision(ctx: StageContext) -> tuple[str, list[str]]:
     configured, bound = ctx.cfg.explore.precision, ctx.cfg.fidelity.min_spearman
     if bound is None or ctx.cfg.fidelity.on_low != "bf16" or ctx.iteration <= 1 or configured == "bf16":
         return configured, []
-    explored = read_manifest(ctx.run_dir, ctx.iteration - 1, "explore")
-    if explored is None or explored.info.get("precision") != configured:
+    if explored_in(ctx, ctx.iteration - 1) != configured:
         return configured, []
     previous = read_manifest(ctx.run_dir, ctx.iteration - 1, "score_regenerate")
     rho = previous.metrics.get("fidelity/spearman") if previous else None

@@ -112,37 +112,47 @@ def _bf16_block(cfg: RunConfig, per_prompt: int, rewards: list[str]) -> int:
     return prompts_per_part(per_prompt, [cfg.regenerate.batch_size, DECODE_BATCH, *reward_batches(cfg, rewards)])
 
 
-def _blocks() -> dict[str, Callable[[RunConfig], int]]:
-    """Each sharded stage's batching block, in prompts: the fewest prompts whose samples fill whole batches of every
-    size it samples, decodes or scores in (``prompts_per_part``; counted per image, so a video's frames only make a
-    block a multiple of the least one). The explore stage decodes each part it samples: its sampling batch sets it."""
-    weights = lambda cfg: list(cfg.reward.weights)  # noqa: E731
-    return {
-        "explore": lambda cfg: prompts_per_part(cfg.explore.pool_size, [cfg.explore.batch_size]),
-        "score_explore": lambda cfg: prompts_per_part(cfg.explore.pool_size, reward_batches(cfg, weights(cfg))),
-        "regenerate": lambda cfg: _bf16_block(cfg, cfg.select.k, []) if cfg.regenerate.enabled else 1,
-        "score_regenerate": lambda cfg: prompts_per_part(cfg.select.k, reward_batches(cfg, weights(cfg))),
-        "audit": lambda cfg: _bf16_block(cfg, cfg.explore.pool_size, weights(cfg)),
-        "evaluate": lambda cfg: _bf16_block(
-            cfg, cfg.campaign.eval_seeds, list(dict.fromkeys([*cfg.reward.weights, *cfg.reward.evaluate]))
-        ),
-    }
+# Each sharded stage's batching block, in prompts (``Stage.block``): the fewest prompts whose samples fill whole
+# batches of every size it samples, decodes or scores in (``prompts_per_part``; counted per image, so a video's
+# frames only make a block a multiple of the least one). Explore decodes each part it samples: its sampling batch
+# sets its block.
+def _explore_block(cfg: RunConfig) -> int:
+    return prompts_per_part(cfg.explore.pool_size, [cfg.explore.batch_size])
 
 
-_BLOCK = _blocks()
+def _score_explore_block(cfg: RunConfig) -> int:
+    return prompts_per_part(cfg.explore.pool_size, reward_batches(cfg, cfg.reward.weights))
+
+
+def _regenerate_block(cfg: RunConfig) -> int:
+    return _bf16_block(cfg, cfg.select.k, []) if cfg.regenerate.enabled else 1  # else the kept samples are copied
+
+
+def _score_regenerate_block(cfg: RunConfig) -> int:
+    return prompts_per_part(cfg.select.k, reward_batches(cfg, cfg.reward.weights))
+
+
+def _audit_block(cfg: RunConfig) -> int:
+    return _bf16_block(cfg, cfg.explore.pool_size, list(cfg.reward.weights))
+
+
+def _evaluate_block(cfg: RunConfig) -> int:
+    return _bf16_block(cfg, cfg.campaign.eval_seeds, list(dict.fromkeys([*cfg.reward.weights, *cfg.reward.evaluate])))
+
+
 ITERATION: tuple[Stage, ...] = (
-    Stage("explore", explore, CandidatePool, block=_BLOCK["explore"]),
-    Stage("score_explore", score_explore, ExploreRewards, reduce_score_explore, block=_BLOCK["score_explore"]),
+    Stage("explore", explore, CandidatePool, block=_explore_block),
+    Stage("score_explore", score_explore, ExploreRewards, reduce_score_explore, block=_score_explore_block),
     Stage("select", select),
-    Stage("regenerate", regenerate, Samples, block=_BLOCK["regenerate"]),
+    Stage("regenerate", regenerate, Samples, block=_regenerate_block),
     Stage(
         "score_regenerate",
         score_regenerate,
         RegeneratedRewards,
         reduce_score_regenerate,
-        block=_BLOCK["score_regenerate"],
+        block=_score_regenerate_block,
     ),
-    Stage("audit", audit, AuditPool, reduce_audit, audit_prompts, audit_due, block=_BLOCK["audit"]),
+    Stage("audit", audit, AuditPool, reduce_audit, audit_prompts, audit_due, block=_audit_block),
     Stage("update", update),
     Stage("checkpoint", checkpoint),
     Stage(
@@ -152,7 +162,7 @@ ITERATION: tuple[Stage, ...] = (
         reduce_evaluate,
         lambda cfg: len(cfg.eval_prompts()),
         evaluation_due,
-        block=_BLOCK["evaluate"],
+        block=_evaluate_block,
     ),
 )
 STAGES = {stage.name: stage for stage in ITERATION}

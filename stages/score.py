@@ -10,12 +10,13 @@ import pandas as pd
 
 from solrl.config import RunConfig
 from solrl.stages.context import StageContext
+from solrl.stages.explore import explored_in
 from solrl.stages.guards import fidelity_alarm
 from solrl.stages.metrics.fidelity import group_agreement, rank_agreement
 from solrl.stages.rewards import Reward, Scores, build_reward, release_rewards, score_all
 from solrl.stages.sharding import WHOLE, Shard, prompts_per_part
 from solrl.storage.artifacts import CandidatePool, ExploreRewards, FidelityTable, RegeneratedRewards, Samples, Selection
-from solrl.storage.stage import StageOutput, read_manifest
+from solrl.storage.stage import StageOutput
 
 
 def score_images(
@@ -269,10 +270,9 @@ def _regenerate_summary(
     warnings = []
     if (alarm := fidelity_alarm(metrics, ctx.cfg.fidelity.min_spearman, ctx.iteration)) is not None:
         configured = ctx.cfg.explore.precision
-        explored = read_manifest(ctx.run_dir, ctx.iteration, "explore")
         if ctx.cfg.fidelity.on_low != "bf16":
             action = "explore stays as configured (fidelity.on_low=warn)"
-        elif explored is not None and explored.info.get("precision") != configured:
+        elif explored_in(ctx, ctx.iteration) not in (None, configured):
             action = (
                 f"this iteration explored in bf16 (fidelity.on_low=bf16), so the next explores in {configured} again"
             )
