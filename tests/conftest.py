@@ -73,6 +73,7 @@ HEAVIEST_FIRST = (
     "test_shards.py",
     "test_faults.py",
     "test_remote_reward.py",
+    "test_torchao.py",
     "test_hardware.py",
     "test_published_size.py",
     "test_pool_store.py",

@@ -10,8 +10,9 @@
 Layers follow the Sol-RL skip rule as the other backends' do; torchao quantizes ``nn.Linear`` only, so a 1x1
 conv (SANA's feed-forward) stays in bf16. The quantized weights are torchao tensor subclasses that
 ``torch.compile`` traces (no graph break by design, unlike Transformer Engine's modules). torchao refuses both on
-CPU ("Float8 dynamic quantization requires CUDA compute capability >= 8.9"), so nothing here has run: checked
-against torchao's source and by ``bench/gpu_smoke.py`` on a lent GPU.
+CPU ("Float8 dynamic quantization requires CUDA compute capability >= 8.9"), and so does ``solrl run``. With those
+checks lifted, ``tests/test_torchao.py`` runs both copies on CPU: FP8 on torch's CPU kernel for torchao's GEMM,
+NVFP4 with its block-scaled GEMM computed by definition. The GPU kernels are ``bench/gpu_smoke.py``'s to check.
 """
 
 from __future__ import annotations
@@ -41,11 +42,18 @@ def ao_config(precision: str) -> Any:
     if precision == "torchao_fp8":
         from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow
 
-        return Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())
+        # set_inductor_config=False: torchao's default sets process-wide Inductor options (coordinate-descent
+        # tuning among them) when it quantizes, which would change how the BF16 policy's regenerate and update
+        # compile in this process, and not in a resumed one that never built the explore copy.
+        return Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), set_inductor_config=False)
     if precision == "torchao_nvfp4":
         from torchao.prototype.mx_formats import NVFP4DynamicActivationNVFP4WeightConfig
 
-        return NVFP4DynamicActivationNVFP4WeightConfig(use_dynamic_per_tensor_scale=True)
+        # use_triton_kernel=False: torchao's default quantizes activations with MSLK's Triton kernel (torchao >= 0.17),
+        # a package solrl does not install, which torchao asserts at the first quantize; torch's own
+        # ``nvfp4_quantize`` is the reference solrl's emulation equals bit for bit, and Inductor fuses it when
+        # explore.compile is set.
+        return NVFP4DynamicActivationNVFP4WeightConfig(use_dynamic_per_tensor_scale=True, use_triton_kernel=False)
     raise ValueError(f"torchao precision must be torchao_fp8 or torchao_nvfp4, got {precision!r}")
 
 
@@ -81,8 +89,8 @@ def _round_up(n: int, multiple: int) -> int:
 
 def ao_weight_bytes(in_features: int, out_features: int, precision: str) -> int:
     """Bytes of one weight ``[out, in]`` quantized by torchao: FP8 one byte a weight plus an FP32 scale per row;
-    NVFP4 E2M1 data ``out * in / 2``, E4M3 block scales counted at the swizzled layout's padding
-    (``[round_up(out, 128), round_up(in / 16, 4)]``, an upper bound) and an FP32 tensor scale."""
+    NVFP4 E2M1 data ``out * in / 2``, E4M3 block scales in the swizzled layout torchao stores, padded to
+    ``[round_up(out, 128), round_up(in / 16, 4)]``, and an FP32 tensor scale."""
     if precision == "torchao_fp8":
         return out_features * in_features + 4 * out_features
     blocks = _round_up(out_features, 128) * _round_up(in_features // NVFP4_BLOCK, 4)
@@ -91,8 +99,9 @@ def ao_weight_bytes(in_features: int, out_features: int, precision: str) -> int:
 
 def ao_copy_bytes(transformer: nn.Module, precision: str, skip: tuple[str, ...], min_dim: int) -> int:
     """Bytes an :func:`ao_explore_copy` of the peft ``transformer`` holds beyond the policy, counted from shapes
-    (torchao's tensors cannot be built on CPU): ``ao_weight_bytes`` per quantized layer, a merged weight in
-    the policy's dtype per LoRA layer torchao does not quantize."""
+    (torchao refuses to build its tensors without a GPU; the count equals a built copy's bytes, tested with the
+    refusal lifted): ``ao_weight_bytes`` per quantized layer, a merged weight in the policy's dtype per LoRA layer
+    torchao does not quantize."""
     from solrl.stages.models.policy import counted_copy_bytes
 
     def quantized_bytes(name: str, layer: nn.Module) -> int | None:
@@ -101,6 +110,13 @@ def ao_copy_bytes(transformer: nn.Module, precision: str, skip: tuple[str, ...],
         return ao_weight_bytes(layer.in_features, layer.out_features, precision)
 
     return counted_copy_bytes(transformer, quantized_bytes)
+
+
+def _contiguous_input(layer: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A forward pre-hook: torchao's NVFP4 linear takes contiguous inputs only (torchao 0.18). A transposed 3-D
+    input (SANA's and SD3's attention outputs) decomposes to ``aten.expand``, which ``NVFP4Tensor`` does not
+    implement, and a transposed 2-D one fails its contiguity assertion; on any device."""
+    return (args[0].contiguous(), *args[1:])
 
 
 def _quantized(layer: nn.Module, weight: torch.Tensor, config: Any) -> nn.Module:
@@ -148,6 +164,9 @@ def ao_explore_copy(transformer: nn.Module, precision: str, skip: tuple[str, ...
         if name and name not in quantized and ao_takes(name, layer, skip, min_dim):
             _quantized(layer, layer.weight, config)
             quantized.add(name)
+    if precision == "torchao_nvfp4":
+        for name in quantized:
+            net.get_submodule(name).register_forward_pre_hook(_contiguous_input)
     if not quantized:
         warnings.warn(
             f"{precision}: no layer of this transformer is an nn.Linear the skip rule quantizes (torchao takes "

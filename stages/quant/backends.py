@@ -216,7 +216,7 @@ class _TorchAO(_OnDevice):
 
     @classmethod
     def copy_bytes(cls, transformer: nn.Module, skip: tuple[str, ...] = (), min_dim: int = 0) -> int:
-        """Counted from shapes (``solrl.stages.quant.ao.ao_copy_bytes``): torchao's tensors need a GPU."""
+        """Counted from shapes (``solrl.stages.quant.ao.ao_copy_bytes``): torchao builds its tensors on a GPU only."""
         from solrl.stages.quant.ao import ao_copy_bytes
 
         return ao_copy_bytes(transformer, cls.name, skip, min_dim)
