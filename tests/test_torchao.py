@@ -166,7 +166,8 @@ def test_the_torchao_nvfp4_copy_holds_solrls_nvfp4_encoding_and_samples_as_the_e
     attention layers that take transposed inputs included: torchao's NVFP4 linear takes contiguous ones only) and
     samples as
     ``nvfp4_emulated`` with one activation scale per call, as torchao scales them, within bf16's rounding of the
-    two orders of applying the scales; an update is re-quantized into the cached copy, equal to a fresh build."""
+    two orders of applying the scales; an update is re-quantized into the cached copy, equal to a fresh build; the
+    copy traces as one graph."""
     import torchao.prototype.mx_formats.nvfp4_tensor as nvfp4_tensor
     from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor
     from torchao.prototype.mx_formats.utils import from_blocked
@@ -221,4 +222,10 @@ def test_the_torchao_nvfp4_copy_holds_solrls_nvfp4_encoding_and_samples_as_the_e
     policy.explore_copies.clear()
     torch.testing.assert_close(synced, _velocity(policy, "torchao_nvfp4", inputs, min_dim=min_dim), rtol=0, atol=0)
     assert _rel(synced, nvfp4) > 1e-3
+    # Dynamo traces the copy as one graph. (Inductor's CPU code generation then fails on a float8 dtype promotion,
+    # torch 2.14.1; a GPU generates Triton instead: bench/gpu_smoke.py's check 5.)
+    with torch.no_grad(), rollout_network(policy, "torchao_nvfp4", min_dim) as net:
+        explained = torch._dynamo.explain(lambda x: policy.model.velocity(net, x, *inputs[1:]))(inputs[0])
+    torch._dynamo.reset()
+    assert explained.graph_break_count == 0, [str(b.reason)[:200] for b in explained.break_reasons]
     policy.explore_copies.clear()
