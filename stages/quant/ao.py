@@ -113,9 +113,10 @@ def ao_copy_bytes(transformer: nn.Module, precision: str, skip: tuple[str, ...],
 
 
 def _contiguous_input(layer: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
-    """A forward pre-hook: torchao's NVFP4 linear takes contiguous inputs only (torchao 0.18). A transposed 3-D
-    input (SANA's and SD3's attention outputs) decomposes to ``aten.expand``, which ``NVFP4Tensor`` does not
-    implement, and a transposed 2-D one fails its contiguity assertion; on any device."""
+    """A forward pre-hook: torchao's NVFP4 linear takes contiguous inputs only (torchao 0.18), on any device. A
+    transposed 3-D input (SD3's joint-attention outputs, SANA's attention output and cross-attention query)
+    decomposes to ``aten.expand``, which ``NVFP4Tensor`` does not implement; a transposed 2-D one fails its
+    contiguity assertion."""
     return (args[0].contiguous(), *args[1:])
 
 
