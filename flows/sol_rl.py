@@ -30,6 +30,7 @@ from solrl.flows.runners import shard_submit_options, shard_task_runner
 from solrl.processes import disk_full, stop_signal
 from solrl.stages.context import StageContext
 from solrl.stages.guards import GuardTrip, guard_trip
+from solrl.stages.memory import UNCHECKED
 from solrl.stages.pipeline import (
     ITERATION,
     STAGES,
@@ -320,7 +321,7 @@ def run_campaign(store: str, run_id: str) -> dict[str, float]:
     run = open_run(store, run_id)
     memory = check_ready(run.config, run.prompts_sha256, run.weights)  # MemoryPlanError where the plan cannot fit
     logger = get_run_logger()
-    logger.info(memory)
+    (logger.warning if UNCHECKED in memory else logger.info)(memory)
     for warning in run.config.warnings():
         logger.warning(warning)
     plan = campaign_plan(run.config)

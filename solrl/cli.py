@@ -302,13 +302,13 @@ def _check_ready(
         ConfigError: as ``check_runnable``; MemoryPlanError (a ConfigError) where the plan does not fit the device
         and ``force`` is not set.
     """
-    from solrl.stages.memory import FORCE_ENV
+    from solrl.stages.memory import FORCE_ENV, UNCHECKED
     from solrl.stages.runnable import check_ready
 
     if force:
         os.environ[FORCE_ENV] = "1"
     line = check_ready(cfg, prompts_sha256, weights)
-    if force and "forced past" in line:
+    if (force and "forced past" in line) or UNCHECKED in line:
         typer.echo(f"solrl: warning: {line}", err=True)
     return line
 

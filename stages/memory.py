@@ -429,13 +429,14 @@ class Plan:
         return [] if usable is None else [s for s in self.stages if s.total > usable]
 
 
-def rewards_bytes(cfg: Any) -> tuple[int, int]:
+def rewards_bytes(cfg: Any, *, report_only: bool = False) -> tuple[int, int]:
     """(bytes kept loaded between stages, bytes loaded only while scoring) of the config's rewards on the
     device: each reward's declared parameter count (``Reward.parameters``, its published size: no weights file is
-    read) times its dtype; remote rewards and rewards on the CPU count 0.
+    read) times its dtype; remote rewards and rewards on the CPU count 0. ``report_only`` (a plan checked against
+    no device: a CPU run) counts a reward that declares no parameter count as 0 instead of refusing it.
 
     Raises:
-        ConfigError: a reward on the device declares no parameter count.
+        ConfigError: a reward on the device declares no parameter count, and not ``report_only``.
     """
     from solrl.config import ConfigError
     from solrl.stages.rewards.base import reward_class, reward_options
@@ -447,6 +448,8 @@ def rewards_bytes(cfg: Any) -> tuple[int, int]:
         if options.url or options.device == "cpu":
             continue
         if reward.parameters is None:
+            if report_only:
+                continue
             raise ConfigError(
                 f"reward {name!r} declares no parameter count ({reward.__module__}.{reward.__qualname__}.parameters:"
                 f" its model's parameters, 0 without a model), so the memory plan cannot count it; declare it, or "
@@ -498,7 +501,7 @@ def make_plan(
     processes = processes or (tc.workers if tc.launcher == "ray" else tc.nproc_per_node)
     checkpointing = getattr(tc, "gradient_checkpointing", False) if checkpointing is None else checkpointing
     f = footprint
-    kept, scored = rewards_bytes(cfg)
+    kept, scored = rewards_bytes(cfg, report_only=device_bytes is None)
     policy = {"transformer": f.transformer, "LoRA x3": 3 * f.lora}
     copy = f.explore_copy.get(cfg.explore.precision, 0)
     resident = {**policy, "VAE": f.vae, **({"rewards kept loaded": kept} if kept else {})}
@@ -791,12 +794,17 @@ def cached_measure(cfg: Any, dtype: torch.dtype) -> Footprint:
     return footprint
 
 
+#: In ``check_memory``'s line where a device was there to check against and no plan was made: a warning.
+UNCHECKED = "not checked against the device"
+
+
 def check_memory(cfg: Any, *, force: bool | None = None) -> str:
     """Compare ``cfg``'s memory plan with the device it would run on, before any work (``solrl run``, ``solrl
     resume``, the campaign flow). On CPU (no ``$SOLRL_DEVICE_MEMORY_GIB``) it only reports.
 
     Returns:
-        one line for the log: each stage's peak against the device, or why nothing was planned.
+        one line for the log: each stage's peak against the device, or why nothing was planned (with
+        ``UNCHECKED`` where there was a device to check against: the callers warn).
 
     Raises:
         MemoryPlanError: a stage's peak exceeds the device's usable memory and ``force`` (default
@@ -810,12 +818,13 @@ def check_memory(cfg: Any, *, force: bool | None = None) -> str:
     device_bytes, device = device_memory(cfg)
     force = bool(os.environ.get(FORCE_ENV)) if force is None else force
     dtype = weights_dtype(resolve_device(cfg.model.device), cfg.model.dtype)
+    unchecked = "" if device_bytes is None else f"; {UNCHECKED} ({device})"
     try:
         footprint = cached_measure(cfg, dtype)
     except NotImplementedError as exc:
-        return f"memory plan: none ({exc})"
+        return f"memory plan: none ({exc}){unchecked}"
     except Exception as exc:  # a family's code that does not run on meta tensors: said, never in the run's way
-        return f"memory plan: not measured ({type(exc).__name__}: {exc}); not checked"
+        return f"memory plan: not measured ({type(exc).__name__}: {exc}); not checked{unchecked}"
     plan = make_plan(cfg, footprint, device_bytes)
     peaks = ", ".join(f"{s.stage} {size(s.total)}" for s in plan.stages)
     weights = f"{footprint.weights_dtype} weights"  # float32 on CPU: twice `solrl plan`'s bf16

@@ -50,6 +50,34 @@ def test_the_planned_conditioning_is_what_the_text_encoders_give(preset):
     assert all(v.device.type == "meta" for v in like.values())
 
 
+@pytest.mark.parametrize("preset", TINY_FAMILIES)
+def test_every_tiny_twin_is_planned_on_the_meta_device(preset, monkeypatch):
+    """Each family's velocity and decode run on the meta device (a family whose transformer reads a tensor's values
+    there would run unplanned, unchecked on a GPU): the plan's line is a plan, checked against a device."""
+    monkeypatch.setenv("SOLRL_DEVICE_MEMORY_GIB", "80")
+    line = check_memory(load_config(preset, ["model.device=cpu"]))
+    assert line.startswith("memory plan (float32 weights, peak per device, ") and line.endswith("; fits"), line
+
+
+def test_a_family_the_plan_cannot_run_is_said_and_warned_where_a_device_waits(monkeypatch, capsys):
+    """``memory plan: none`` on a CPU run is information; with a device to check against it names it, and the
+    callers warn (``UNCHECKED``)."""
+    from solrl.stages.memory import UNCHECKED
+
+    def unplannable(*args, **kwargs):
+        raise NotImplementedError("model family tiny-digits does not run on the meta device")
+
+    monkeypatch.setattr("solrl.stages.memory.cached_measure", unplannable)
+    cfg = load_config(None, ["model.device=cpu"])
+    assert check_memory(cfg) == "memory plan: none (model family tiny-digits does not run on the meta device)"
+    monkeypatch.setenv("SOLRL_DEVICE_MEMORY_GIB", "80")
+    assert check_memory(cfg).endswith(f"; {UNCHECKED} (an 80 GiB device (SOLRL_DEVICE_MEMORY_GIB))")
+    from solrl.cli import _check_ready
+
+    line = _check_ready(cfg, force=False)
+    assert capsys.readouterr().err == f"solrl: warning: {line}\n"
+
+
 @pytest.mark.parametrize("preset", ["tiny-flux", "tiny-z-image"])
 def test_meta_counts_of_saved_activations_agree_with_a_real_cpu_backward(preset):
     """Saved-for-backward and peak activation bytes counted on the meta device agree with those of real float32
@@ -341,6 +369,9 @@ def test_every_registered_reward_declares_the_parameters_the_plan_counts(tmp_pat
             plugins=False,
         )
         assert rewards_bytes(on_cpu) == (0, 0)  # nothing of it on the device
+        # A CPU run's plan is only reported, against no device: a toy reward there needs no count.
+        assert rewards_bytes(judged, report_only=True) == (0, 0)
+        assert check_memory(judged.model_copy(update={"model": judged.model.model_copy(update={"device": "cpu"})}))
     finally:
         REWARDS._entries.pop("undeclared-judge", None)
 
