@@ -1,5 +1,5 @@
 """MkDocs hooks: the navigation's model-family pages come from the registry, as the pages do (docs/gen_pages.py),
-so a new family needs no edit here or in mkdocs.yml."""
+so a new family needs no edit here or in mkdocs.yml; so do the built-in names of the extending page's table."""
 
 from __future__ import annotations
 
@@ -31,6 +31,39 @@ def on_config(config):
 
     config["nav"] = expand(config["nav"])
     return config
+
+
+#: The extending page's markers, replaced by each registry's built-in names (``built_ins``).
+BUILT_INS = {
+    "model.family": "MODELS",
+    "reward": "REWARDS",
+    "explore.precision": "EXPLORE_BACKENDS",
+    "train.loss": "LOSSES",
+}
+
+
+def built_ins(markdown: str) -> str:
+    """``markdown`` with each ``<!-- built-ins: POINT -->`` marker replaced by that registry's built-in names, in
+    code spans, in registry (name) order.
+
+    Raises:
+        ValueError: a marker names no registry, or a registry's marker is missing.
+    """
+    import re
+
+    import solrl.registry as registry
+
+    found = re.findall(r"<!-- built-ins: ([^ ]+) -->", markdown)
+    if sorted(found) != sorted(BUILT_INS):
+        raise ValueError(f"the extending page's built-in markers are {found}, not one of each of {list(BUILT_INS)}")
+    for point, name in BUILT_INS.items():
+        names = ", ".join(f"`{n}`" for n in sorted(getattr(registry, name).index()))
+        markdown = markdown.replace(f"<!-- built-ins: {point} -->", names)
+    return markdown
+
+
+def on_page_markdown(markdown, page, config, files):
+    return built_ins(markdown) if page.file.src_uri == "extending/index.md" else markdown
 
 
 def _package_tree() -> None:

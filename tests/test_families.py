@@ -98,6 +98,13 @@ def test_the_exported_lora_loads_into_the_stock_pipeline_and_samples_as_the_poli
     with torch.no_grad(), policy.using("policy") as net:
         ours = generate(policy.model, net, [prompt], [seed], steps, 1).samples
     theirs = policy.model.stock_pipeline_latents(pipe, prompt, noise, steps)  # the adapter says how
+    # The grid first: a pipeline that shifts its sigmas by image size needs the family's sigmas(steps) to say so,
+    # and a wrong grid would otherwise show only as the latents' mismatch below.
+    stock_grid, grid = pipe.scheduler.sigmas.float().cpu(), policy.model.sigmas(steps).cpu()
+    assert stock_grid.shape == grid.shape and torch.allclose(stock_grid, grid, atol=1e-6), (
+        f"{family}'s sigma grid {grid.tolist()} is not its pipeline's {stock_grid.tolist()}: override the "
+        "family's sigmas(steps) (docs/extending/family.md)"
+    )
     torch.testing.assert_close(theirs.float(), ours, rtol=1e-3, atol=1e-4)
     with torch.no_grad(), policy.using("reference") as net:
         base = generate(policy.model, net, [prompt], [seed], steps, 1).samples
