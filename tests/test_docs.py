@@ -110,6 +110,48 @@ def test_the_reward_plugin_example_registers_and_scores():
         REWARDS._entries.pop(name, None)
 
 
+def test_the_loss_skeleton_runs_and_two_processes_share_its_micro_batch_as_one():
+    """docs/extending/loss.md's skeleton, registered as written: its loss over a micro-batch is the mean of its two
+    halves' (the ``part`` each process of a 2-process update computes), from the same draws."""
+    import torch
+
+    from solrl.config import load_config
+    from solrl.registry import LOSSES
+    from solrl.stages.losses import Batch
+    from solrl.stages.models import load_model
+    from solrl.stages.models.policy import Policy
+
+    snippet = re.search(
+        r"```python\n(# my_package/my_loss.py\n.*?)```", (REPO / "docs/extending/loss.md").read_text(), re.S
+    )
+    namespace: dict = {}
+    exec(compile(snippet.group(1), "loss.md", "exec"), namespace)
+    try:
+        loss_cls = LOSSES.get("my_loss")
+        cfg = load_config(None, ["train.loss=my_loss", "train.loss_options={temperature: 0.5}"])
+        policy = Policy(load_model(cfg.model, torch.device("cpu")), rank=4, alpha=4.0, seed=0)
+        torch.manual_seed(0)
+        batch = Batch(
+            x0=torch.randn(4, *policy.model.latent_shape),
+            advantages=torch.randn(4),
+            cond=policy.model.encode(["a handwritten digit three"] * 4),
+            sigmas=policy.model.sigmas(4),
+            trajectory=None,
+            old_log_probs=None,
+            sde_steps=[False] * 4,
+        )
+        mb = slice(0, 4)
+
+        def loss(part):
+            return loss_cls.terms(policy, batch, 1, mb, torch.Generator().manual_seed(7), cfg, part)[0]
+
+        whole, first, second = loss(None), loss(slice(0, 2)), loss(slice(2, 4))
+        assert whole.requires_grad and torch.allclose(whole, (first + second) / 2, rtol=1e-5)
+        assert loss(slice(2, 2)) is None
+    finally:
+        LOSSES._entries.pop("my_loss", None)
+
+
 def test_the_extending_page_names_every_built_in_plugin():
     """docs/extending/index.md's table lists each registry's built-in names, no more and no fewer: they are filled in
     from the registries when the site is built (docs/hooks.py), so a new built-in needs no edit there."""
