@@ -918,15 +918,21 @@ def inspect(
 def verify(
     run_id: Annotated[str, typer.Argument(help="The run to verify.")],
     redo: Annotated[
-        bool, typer.Option("--redo", help="Uncommit every stage with a changed file, so `solrl resume` redoes it.")
+        bool,
+        typer.Option(
+            "--redo",
+            help="Uncommit every stage with a changed file and every committed stage that read it, so `solrl resume` "
+            "redoes them.",
+        ),
     ] = False,
     store: StoreOption = "runs",
 ) -> None:
     """Re-hash every committed file of a run against its manifest and name any that differ or cannot be read, and
     any stage not committed before a committed one (exit 1).
 
-    A file's sha256 is computed once, when its stage commits it; campaigns, resumes and audits then check only
-    sizes, so this is where a flipped byte is found."""
+    A file's sha256 is computed once, when its stage commits it; campaigns, resumes and audits then hash only the
+    small tables and the checkpoints they read and check the rest by size, so this is where a flipped byte in a
+    pool or a sample is found."""
     from rich.progress import Progress
 
     from solrl.storage.runs import open_run, run_lock
@@ -967,13 +973,18 @@ def verify(
         typer.echo(f"iteration {bad.iteration} {bad.stage}: {bad.file}: {problems.get(bad.problem, bad.problem)}")
     changed = sorted({(bad.iteration, bad.stage) for bad in found})
     if redo:
+        from solrl.stages.pipeline import downstream_of
+
+        # A later stage may have read the changed bytes (readers check sizes, not hashes): it goes too.
+        readers = [key for key in downstream_of(run_.config, set(changed)) if key in stages]
         try:
             with run_lock(run_.run_dir, then=("verify", "--redo")):
-                for iteration, stage in changed:
+                for iteration, stage in [*changed, *readers]:
                     uncommit(run_.run_dir, iteration, stage)
         except ConfigError as exc:
             _fail(str(exc))
-        typer.echo(f"{len(changed)} stage(s) uncommitted; `{resume}` recomputes them and whatever depends on them")
+        also = f" and the {len(readers)} committed stage(s) that read them" if readers else ""
+        typer.echo(f"{len(changed)} stage(s) uncommitted{also}; `{resume}` recomputes them")
     else:
         redo_command = _command("verify", run_id, "--store", store, "--redo")
         typer.echo(f"{len(changed)} stage(s) changed; `{redo_command}` uncommits them")

@@ -192,6 +192,25 @@ def uncommitted_gaps(cfg: RunConfig, committed: set[tuple[int, str]]) -> list[tu
     return [key for key in plan[:last] if key not in committed]
 
 
+def downstream_of(cfg: RunConfig, changed: set[tuple[int, str]]) -> list[tuple[int, str]]:
+    """The (iteration, stage) pairs of the campaign plan that read, directly or through other stages, one of
+    ``changed`` (``Stage.reads``, with each artifact's iteration offset), in plan order; ``changed`` not included.
+
+    A stage's readers check its files' sizes, not their bytes (``read_manifest``): a stage whose committed bytes
+    changed on disk may have been read as they were, and what read it must be recomputed with it
+    (``solrl verify --redo``)."""
+    tainted, out = set(changed), []
+    for iteration, names in campaign_plan(cfg):
+        for name in names:
+            if (iteration, name) in tainted:
+                continue
+            sources = {(a.source_iteration(iteration), a.stage) for a in STAGES[name].reads}
+            if sources & tainted:
+                tainted.add((iteration, name))
+                out.append((iteration, name))
+    return out
+
+
 def _upstream_key(artifact: type[Artifact]) -> str:
     return artifact.stage if artifact.offset == 0 else f"{artifact.stage}[{artifact.offset:+d}]"
 

@@ -57,8 +57,9 @@ class Artifact:
     #: The first iteration that has this artifact; earlier, a reader gets None (e.g. no checkpoint before 1).
     first_iteration: ClassVar[int] = 0
     #: Whether ``load`` hashes the artifact's file against its manifest before reading it: the small tables (a
-    #: few kB, so a changed byte never reaches a ranking); pools, samples and checkpoints are checked by size,
-    #: their checksums re-hashed on demand (``solrl verify``).
+    #: few kB, so a changed byte never reaches a ranking) and the checkpoints (the LoRA adapters and optimizer
+    #: state, so a changed byte never trains on; a second or so at published sizes); pools and samples are
+    #: checked by size, their checksums re-hashed on demand (``solrl verify``).
     verify_on_read: ClassVar[bool] = False
 
     @classmethod
@@ -803,6 +804,7 @@ class CheckpointArtifact(Artifact):
 
     sections: dict[str, dict[str, torch.Tensor]]
     state: dict[str, Any]
+    verify_on_read: ClassVar[bool] = True
 
     def write(self, out: Path) -> None:
         save_checkpoint(out / self.filename, self.sections, self.state)

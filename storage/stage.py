@@ -463,7 +463,8 @@ def require(
     """The output folder and manifest of a committed stage, for reading its outputs: sizes checked against the
     manifest (checksums were computed when the stage committed them; ``verify_run`` re-hashes on demand), and
     for a mirrored run the files this machine lacks fetched, each download checked against its sha256.
-    ``verify``: a file or folder of the stage whose files are hashed as well (a small table about to be read).
+    ``verify``: a file or folder of the stage whose files are hashed as well (a small table or a checkpoint about
+    to be read; ``.``: every file of the stage).
     ``defer``: files of a mirrored run left on the store until the reader fetches them (``fetch_file``).
 
     Raises:
@@ -477,7 +478,8 @@ def require(
     folder = stage_dir(run_dir, iteration, stage) / manifest.prefix
     if verify is not None:
         for rel, entry in manifest.present().items():
-            if (rel == verify or rel.startswith(f"{verify}/")) and _sha256(folder / rel) != entry.sha256:
+            inside = verify == "." or rel == verify or rel.startswith(f"{verify}/")
+            if inside and _sha256(folder / rel) != entry.sha256:
                 redo = shlex.join(["solrl", "verify", run_dir.name, "--store", locate(run_dir).store.address, "--redo"])
                 raise StageNotCommitted(
                     f"iteration {iteration} stage {stage!r}: {rel} changed since it was committed (sha256); "

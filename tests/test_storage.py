@@ -192,6 +192,28 @@ def test_checkpoint_and_optimizer_state_round_trip(tmp_path: Path):
     torch.testing.assert_close(sections["policy"]["w"], params[0].detach())
 
 
+def test_a_checkpoint_changed_in_place_is_refused_when_read_not_trained_on(tmp_path: Path):
+    """A breaker's finding: a checkpoint's LoRA bytes changed at the same size were read by the next iteration
+    (readers checked sizes) and trained on, silently. Checkpoints are hashed when read, as the small tables are."""
+    from conftest import flip_middle_byte
+
+    from solrl.storage.artifacts import Checkpoint
+    from solrl.storage.stage import StageOutput
+
+    def write(out: Path) -> StageOutput:
+        Checkpoint({"policy": {"w": torch.arange(4096.0)}}, {"global_step": 1}).write(out)
+        return StageOutput(metrics={}, info={})
+
+    commit(tmp_path, "r", 1, "checkpoint", "k", write)
+    assert torch.equal(Checkpoint.load(tmp_path, 1).sections["policy"]["w"], torch.arange(4096.0))
+    flip_middle_byte(stage_dir(tmp_path, 1, "checkpoint") / "policy.safetensors")
+    assert read_manifest(tmp_path, 1, "checkpoint") is not None  # the size is the same
+    with pytest.raises(
+        StageNotCommitted, match=r"policy.safetensors changed since it was committed \(sha256\); `solrl"
+    ):
+        Checkpoint.load(tmp_path, 1)
+
+
 def test_open_run_detects_an_edited_config_but_accepts_an_older_schema(tmp_path: Path):
     from conftest import tiny_config
 
