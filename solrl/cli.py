@@ -686,6 +686,20 @@ def _output_target(option: str, given: str | None, suffixes: tuple[str, ...], de
     return path, as_folder
 
 
+def _outside_run(option: str, path: Path | None, run_dir: Path) -> None:
+    """Fail the command where ``path`` (what it writes) lies inside the run's own folder: it would replace committed
+    files there at their size, which only ``solrl verify`` notices (a breaker's finding: ``export --out`` into a
+    checkpoint folder replaced its LoRA)."""
+    if path is None:
+        return
+    resolved, run = path.expanduser().resolve(), run_dir.resolve()
+    if resolved == run or run in resolved.parents:
+        _fail(
+            f"{option} {path}: inside run {run_dir.name}'s own folder, whose committed files it would replace; "
+            "write elsewhere"
+        )
+
+
 def _report_output(option: str, given: str | None, default_name: str, suffixes: tuple[str, ...]) -> Path | None:
     """``report``'s ``--html`` or ``--plot`` file (``_output_target``), None when not asked for."""
     if given is None:
@@ -723,6 +737,8 @@ def report(
         _fail(str(exc))
     html_path = _report_output("--html", html, f"{run_id}-report.html", (".html", ".htm"))
     plot_path = _report_output("--plot", plot, f"{run_id}-curves.png", (".png",))  # matplotlib goes by the suffix
+    _outside_run("--html", html_path, run_.run_dir)
+    _outside_run("--plot", plot_path, run_.run_dir)
     frame = collect_metrics(run_.run_dir, tuple(s.name for s in ITERATION))
     if frame.empty:
         _fail(f"run {run_id} has no committed stage yet")
@@ -1012,6 +1028,7 @@ def show(
     if "explore" not in stages:
         _fail(f"run {run_id}: iteration {iteration} only evaluates the starting policy; it has no candidate pool")
     target, into_folder = _output_target("--out", out, (".png",), f"{run_id}-iter{iteration}-prompt<i>.png")
+    _outside_run("--out", target if out is not None else None, run_.run_dir)
     decoded = []
 
     def decode(latents: np.ndarray) -> np.ndarray:
@@ -1157,6 +1174,7 @@ def export(
         family.check_runnable(run_.config.model)  # the base weights the LoRA applies to
     except ConfigError as exc:
         _fail(str(exc))
+    _outside_run("--out", out, run_.run_dir)
     iterations = range(1, run_.config.campaign.iterations + 1)
     committed = [i for i in iterations if read_manifest(run_.run_dir, i, "checkpoint")]
     uncommitted = [(i, ("checkpoint",)) for i in iterations if i not in committed]  # each manifest read once

@@ -54,17 +54,19 @@ def _chain(exc: BaseException) -> Iterator[BaseException]:
 
 #: ``errno`` values of a write that a retry cannot make succeed: the device is full, the user's quota is spent.
 DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
-#: How SQLite (MLflow's and Prefect's default databases) says the same, without an errno.
-_SQLITE_FULL = "database or disk is full"
+#: How SQLite (MLflow's and Prefect's default databases) and libraries that keep only the OS's text (safetensors'
+#: ``SafetensorError: ... No space left on device (os error 28)``) say the same, without an errno.
+_FULL_TEXTS = ("database or disk is full", *(os.strerror(e) for e in sorted(DISK_FULL_ERRNOS)))
 
 
 def disk_full(exc: BaseException) -> Exception | None:
     """The error in ``exc`` or its chain (``__cause__``, ``__context__``) that says a disk is full: an ``OSError``
-    with ``errno`` ENOSPC or EDQUOT (pyarrow's, Zarr's and torch's writes raise these), or SQLite's "database or
-    disk is full" (MLflow's tracking store); None when there is none."""
+    with ``errno`` ENOSPC or EDQUOT (pyarrow's, Zarr's and torch's writes raise these), or an error whose text
+    says so without an errno (``_FULL_TEXTS``: SQLite's, for MLflow's tracking store; safetensors'); None when
+    there is none."""
     for current in _chain(exc):
         if isinstance(current, OSError) and current.errno in DISK_FULL_ERRNOS:
             return current
-        if isinstance(current, Exception) and _SQLITE_FULL in str(current):
+        if isinstance(current, Exception) and any(text in str(current) for text in _FULL_TEXTS):
             return current
     return None

@@ -437,6 +437,23 @@ def test_a_committed_file_changed_in_place_is_found_by_verify_and_pending_again_
     assert first_pending(ctx0) == (0, "evaluate")
 
 
+def test_no_command_writes_its_output_into_the_runs_own_folder(tmp_path: Path):
+    """A breaker's finding: ``export --out`` into a checkpoint folder replaced its LoRA at the same size, and
+    ``report --plot`` and ``show --out`` replaced committed figures; only ``verify`` noticed."""
+    run = _committed_run(tmp_path)
+    store, inside = str(run.run_dir.parent), run.run_dir / "iter_000000" / "evaluate"
+    before = {p: p.read_bytes() for p in run.run_dir.rglob("*") if p.is_file()}
+    for args in (
+        ["report", "r", "--plot", f"{inside}/"],
+        ["report", "r", "--html", str(run.run_dir / "r.html")],
+        ["export", "r", "--out", str(inside)],
+    ):
+        result = runner.invoke(app, [*args, "--store", store])
+        assert result.exit_code == 2 and "inside run r's own folder" in result.stderr, (args, result.output)
+    assert {p: p.read_bytes() for p in run.run_dir.rglob("*") if p.is_file()} == before
+    assert runner.invoke(app, ["report", "r", "--store", store, "--plot", str(tmp_path / "c.png")]).exit_code == 0
+
+
 def test_verify_names_an_unreadable_file_and_a_stage_missing_before_a_committed_one(tmp_path: Path):
     """A breaker's findings: a committed file replaced by a folder (as a link loop, no permission or a disk's I/O
     error would) crashed ``verify`` and ``--redo`` with a traceback; a deleted iteration or manifest before
