@@ -408,7 +408,7 @@ def run(
             from solrl.stages.models import model_family
             from solrl.storage.runs import check_run_id, create_run, new_run_id, open_store
 
-            run_id = check_run_id(run_id or new_run_id(cfg.name))
+            run_id = check_run_id(new_run_id(cfg.name) if run_id is None else run_id)  # "" is refused, not replaced
             memory = _check_ready(cfg, force)
             store = open_store(cfg.storage.root)
             store.check(write=True)  # an object store that cannot be used: one line, nothing written anywhere

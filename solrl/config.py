@@ -46,6 +46,8 @@ class ConfigError(ValueError):
 MAX_POOL_SIZE = 4096  #: candidates (or evaluation seeds) per prompt
 MAX_STEPS = 1000  #: sampling steps: a flow model's training schedule has 1000 timesteps
 MAX_PROMPTS = 65536  #: training prompts per iteration
+#: RL iterations of a campaign: the presets run at most 300; planning 10^8 took minutes and gigabytes before work.
+MAX_ITERATIONS = 100_000
 
 
 class _Section(BaseModel):
@@ -498,7 +500,9 @@ class TrackingConfig(_Section):
 class CampaignConfig(_Section):
     """The run as a whole: iterations, prompts, seeds, evaluation."""
 
-    iterations: int = Field(20, ge=1, description="RL iterations of the campaign (each: explore ... checkpoint).")
+    iterations: int = Field(
+        20, ge=1, le=MAX_ITERATIONS, description="RL iterations of the campaign (each: explore ... checkpoint)."
+    )
     prompts_per_iteration: int = Field(
         8,
         ge=1,

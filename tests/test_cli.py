@@ -28,6 +28,7 @@ runner = CliRunner()
         (["run", "--set", "campaign.prompts_file=/nope.txt"], "cannot read prompt file '/nope.txt'"),
         (["run", "--run-id", "../escape"], "run id '../escape' must be"),
         (["run", "--run-id", "_x"], "run id '_x' must be 1-128 ASCII letters, digits, '.', '_' or '-', beginning with"),
+        (["run", "--run-id", ""], "run id '' must be 1-128"),  # a breaker's finding: it was replaced by a new id
         # a config's name begins the ids of runs made without --run-id: the name is blamed, not a run id never given
         (["run", "--set", "name=../../etc"], "config name '../../etc' begins the ids of runs made without --run-id"),
         # a typo's pool (or steps) used to sit in explore for ever, drawing seeds one by one

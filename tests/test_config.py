@@ -83,6 +83,8 @@ def test_config_is_frozen_and_hash_changes_with_values():
         (["extends=tiny-sd3"], r"extends is a preset file's key, read before any --set; .*\(solrl run tiny-sd3 --set"),
         (["explore.steps=0"], r"explore.steps: Input should be greater than or equal to 1"),
         (["train.timestep_fraction=1.5"], r"train.timestep_fraction: Input should be less than or equal to 1"),
+        # a breaker's finding: 10^8 iterations were accepted, and the run hung planning them
+        (["campaign.iterations=100000000"], r"campaign.iterations: Input should be less than or equal to 100000"),
         (
             ["reward.weights={clip_score: 1.0}"],
             r"reward.weights: unknown reward 'clip_score'; registered: aesthetic, clipscore, digit_alignment",
