@@ -571,9 +571,13 @@ def resume(
             _fail(str(exc))
         from solrl.stages.context import StageContext
         from solrl.stages.pipeline import first_pending
+        from solrl.storage.html_report import REPORT_DIR
 
         pending = first_pending(StageContext.of(run_, 0))
-        if pending is None:
+        # A campaign killed after its last commit, before its report and MLflow's end: the campaign finishes them
+        # (every stage skipped, its inputs matching).
+        unreported = pending is None and not (run_.run_dir / REPORT_DIR / "report.html").is_file()
+        if pending is None and not unreported:
             from solrl.storage.retention import prune_run
 
             try:  # a campaign killed after its last stage and before its final prune: the prune is all it lacks
@@ -589,7 +593,8 @@ def resume(
             )
             return
         _start_prefect_early()
-        typer.echo(f"resuming run {run_id} at iteration {pending[0]}, stage {pending[1]}\n{memory}")
+        where = "its report (every stage committed)" if unreported else f"iteration {pending[0]}, stage {pending[1]}"
+        typer.echo(f"resuming run {run_id} at {where}\n{memory}")
         _launch(run_.store, run_id)
 
 

@@ -261,16 +261,21 @@ REPORT_DIR = "report"
 
 
 def write_report(run: Run, stages: Sequence[str], plan: Sequence[tuple[int, Sequence[str]]], out: Path) -> list[Path]:
-    """Write ``report.html`` and each curve figure as its own PNG into the folder ``out`` (what the campaign
-    flow logs to MLflow); returns the paths written."""
+    """Write each curve figure as its own PNG into the folder ``out``, then ``report.html`` (what the campaign
+    flow logs to MLflow), each whole or not at all (a full disk or a crash leaves the earlier file): a page there
+    was written after its figures. Returns the paths written, the page first."""
+    from solrl.storage.stage import replaced_atomically
+
     out.mkdir(parents=True, exist_ok=True)
     frame = collect_metrics(run.run_dir, tuple(stages))
     figures = curve_figures(frame) if not frame.empty else []
-    page = out / "report.html"
-    page.write_text(render_html(run, stages, plan, figures), encoding="utf-8")
-    written = [page]
+    written = []
     for title, png in figures:
         path = out / ("".join(ch if ch.isalnum() else "_" for ch in title.lower()).strip("_")[:60] + ".png")
-        path.write_bytes(base64.b64decode(png))
+        with replaced_atomically(path) as tmp:
+            tmp.write_bytes(base64.b64decode(png))
         written.append(path)
-    return written
+    page = out / "report.html"
+    with replaced_atomically(page) as tmp:
+        tmp.write_text(render_html(run, stages, plan, figures), encoding="utf-8")
+    return [page, *written]
