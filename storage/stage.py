@@ -169,7 +169,12 @@ def inputs_hash(
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """The hex sha256 of a file's bytes, read in 1 MiB chunks.
+
+    Raises:
+        OSError: the file cannot be read.
+    """
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -223,7 +228,7 @@ def _fsync_tree(root: Path) -> dict[str, FileEntry]:
         size = path.stat().st_size
         written = _WRITTEN.pop(str(path.absolute()), None)
         if written is None or written.size != size:
-            written = FileEntry(size=size, sha256=_sha256(path))
+            written = FileEntry(size=size, sha256=file_sha256(path))
         entries[path.relative_to(root).as_posix()] = written
     return entries
 
@@ -314,7 +319,7 @@ def read_manifest(
     for rel, entry in manifest.present().items():
         path = folder / rel
         try:
-            if path.stat().st_size != entry.size or (verify and _sha256(path) != entry.sha256):
+            if path.stat().st_size != entry.size or (verify and file_sha256(path) != entry.sha256):
                 return None
         except OSError:
             return None
@@ -403,7 +408,7 @@ def _read_remote_manifest(
         if rel in deferred:
             continue
         path = folder / rel
-        if path.is_file() and path.stat().st_size == entry.size and (not verify or _sha256(path) == entry.sha256):
+        if path.is_file() and path.stat().st_size == entry.size and (not verify or file_sha256(path) == entry.sha256):
             continue  # written here (hashed at its commit) or fetched here (hashed on arrival) before
         if not _fetch(store, f"{attempt}/{rel}", path, entry):
             return None
@@ -417,7 +422,7 @@ def _fetch(store: Store, key: str, path: Path, entry: FileEntry) -> bool:
         store.get_file(key, path)
     except FileNotFoundError:
         return False
-    if path.stat().st_size != entry.size or _sha256(path) != entry.sha256:
+    if path.stat().st_size != entry.size or file_sha256(path) != entry.sha256:
         path.unlink(missing_ok=True)
         return False
     return True
@@ -479,7 +484,7 @@ def require(
     if verify is not None:
         for rel, entry in manifest.present().items():
             inside = verify == "." or rel == verify or rel.startswith(f"{verify}/")
-            if inside and _sha256(folder / rel) != entry.sha256:
+            if inside and file_sha256(folder / rel) != entry.sha256:
                 redo = shlex.join(["solrl", "verify", run_dir.name, "--store", locate(run_dir).store.address, "--redo"])
                 raise StageNotCommitted(
                     f"iteration {iteration} stage {stage!r}: {rel} changed since it was committed (sha256); "
@@ -694,7 +699,7 @@ def verify_run(run_dir: Path, on_file: Callable[[int, str, str], None] | None = 
                     size, digest = _store_sha256(place.store, f"{key}/{manifest.prefix}/{rel}")
                 else:
                     path = directory / manifest.prefix / rel
-                    size, digest = path.stat().st_size, _sha256(path)
+                    size, digest = path.stat().st_size, file_sha256(path)
             except FileNotFoundError:
                 found.append(Mismatch(iteration, stage, rel, "missing"))
                 continue

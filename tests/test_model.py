@@ -9,12 +9,14 @@ import torch
 from solrl.config import load_config
 from solrl.stages.models import load_model
 from solrl.stages.models import tiny_digits as td
+from solrl.stages.models.adapter import EmbeddingCacheMiss
 from solrl.stages.models.policy import Policy
 from solrl.stages.quant import FakeQuantLinear
 from solrl.stages.quant.backends import rollout_network
 from solrl.stages.rewards import RewardError, build_reward
 from solrl.stages.rewards.base import checked
 from solrl.stages.sampling.rollout import generate
+from solrl.storage.stage import file_sha256
 
 
 @pytest.fixture(scope="module")
@@ -288,3 +290,34 @@ def test_a_tiny_twin_encodes_a_long_prompt_without_the_truncation_warning(preset
     cond = adapter.encode(["a photograph of a red fox sitting in the snow at the edge of a pine forest at dawn"])
     assert cond["emb"].shape[0] == 1
     assert "was truncated" not in capfd.readouterr().err
+
+
+def test_a_prompt_embedding_cache_changed_in_place_is_a_miss_not_read(tmp_path):
+    """A breaker's finding: every stage read the run's prompt-embedding cache, and no manifest or checksum covered
+    it, so embeddings changed in place (the file still loading) trained and evaluated a run silently. Its sha256
+    is kept beside it and checked first; a changed file, or one without its digest, is encoded again."""
+    from conftest import flip_middle_byte
+
+    cfg = load_config()
+    cache, prompts = tmp_path / "cache.safetensors", ["a handwritten digit three", "a handwritten digit seven"]
+    model = load_model(cfg.model, torch.device("cpu"))
+    model.precompute(prompts, cache)
+    expect = {p: {k: v.clone() for k, v in model._cache[p].items()} for p in prompts}
+    assert (tmp_path / "cache.safetensors.sha256").read_text().strip() == file_sha256(cache)
+
+    def fresh():
+        again = load_model(cfg.model, torch.device("cpu"), text_encoders=False)
+        return again, again._load_embeddings(cache, sorted(prompts))
+
+    assert fresh()[1]
+    flip_middle_byte(cache)
+    again, loaded = fresh()
+    assert not loaded
+    with pytest.raises(EmbeddingCacheMiss):  # no text encoders to encode them again with
+        again.precompute(prompts, cache)
+    model = load_model(cfg.model, torch.device("cpu"))
+    model.precompute(prompts, cache)  # encoded again and the file rewritten, with its digest
+    again, loaded = fresh()
+    assert loaded and all(torch.equal(again._cache[p][k], v) for p in prompts for k, v in expect[p].items())
+    (tmp_path / "cache.safetensors.sha256").unlink()
+    assert not fresh()[1]

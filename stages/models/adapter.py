@@ -24,7 +24,7 @@ from torch import nn
 
 from solrl.config import ConfigError, ModelConfig, RunConfig, registered_family
 from solrl.storage.fingerprint import folder_fingerprint
-from solrl.storage.stage import plain_modes
+from solrl.storage.stage import file_sha256, plain_modes
 
 #: What a text encoder gives the transformer for a batch of prompts: name -> tensor ``[B, ...]``.
 Conditioning = dict[str, torch.Tensor]
@@ -75,6 +75,11 @@ def compute_precision(device: torch.device, dtype: torch.dtype | None = None) ->
     bf16 = device.type == "cuda" or dtype == torch.bfloat16
     with torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext():
         yield
+
+
+def _digest_file(cache: Path) -> Path:
+    """Where a prompt-embedding cache's sha256 is kept: ``<cache>.sha256``."""
+    return cache.with_name(cache.name + ".sha256")
 
 
 class EmbeddingCacheMiss(RuntimeError):
@@ -273,9 +278,11 @@ class ModelAdapter:
         computed once per prompt set).
 
         With ``cache`` (a ``.safetensors`` file in the run store, named by the prompts and the model), the
-        embeddings are read from it when present (an unreadable file is a miss), else computed and written there
-        atomically, so a resumed run does not encode its prompts again (``load(text_encoders=False)`` then skips
-        loading the text encoders at all).
+        embeddings are read from it when present, else computed and written there atomically, so a resumed run
+        does not encode its prompts again (``load(text_encoders=False)`` then skips loading the text encoders at
+        all). The file's sha256 is written beside it (``<cache>.sha256``) once it is in place, and checked before
+        it is read: a file changed since (a breaker's finding: every stage read it, no manifest covered it), one
+        without its digest, or an unreadable one is a miss.
 
         Raises:
             EmbeddingCacheMiss: the text encoders are not loaded and ``cache`` is missing or unreadable.
@@ -297,13 +304,21 @@ class ModelAdapter:
                     tmp,
                 )
                 plain_modes(tmp)
+                digest = file_sha256(tmp)
                 os.replace(tmp, cache)
+                sidecar = _digest_file(cache)
+                tmp = sidecar.with_name(f".{sidecar.name}.tmp-{os.getpid()}")
+                tmp.write_text(digest + "\n", encoding="utf-8")
+                os.replace(tmp, sidecar)
         self.release_text_encoders()
 
     def _load_embeddings(self, cache: Path, prompts: list[str]) -> bool:
-        """Fill the prompt cache from ``cache``; False (nothing loaded) when the file is unreadable or does not
-        hold these prompts, so the embeddings are computed again and the file rewritten."""
+        """Fill the prompt cache from ``cache``; False (nothing loaded) when the file is unreadable, differs from
+        its recorded sha256 (or has none) or does not hold these prompts, so the embeddings are computed again and
+        the file rewritten."""
         try:
+            if _digest_file(cache).read_text(encoding="utf-8").strip() != file_sha256(cache):
+                return False
             tensors = load_file(cache, device=str(self.device))
             names = sorted({key.split("/", 1)[1] for key in tensors})
             loaded = {p: {name: tensors[f"{i}/{name}"] for name in names} for i, p in enumerate(prompts)}
