@@ -114,13 +114,13 @@ class Meter:
         from solrl.storage import stage as stage_module
 
         self.hashed = 0
-        original = stage_module._sha256
+        original = stage_module.file_sha256
 
         def counted(path: Path) -> str:
             self.hashed += Path(path).stat().st_size
             return original(path)
 
-        stage_module._sha256 = counted
+        stage_module.file_sha256 = counted
         self.peak = 0
         self._stop = threading.Event()
         threading.Thread(target=self._sample, daemon=True).start()

@@ -257,7 +257,7 @@ def test_a_run_with_cached_prompt_embeddings_loads_no_text_encoder_and_recovers_
     prompts = cfg.train_prompts()[:3]
     context._POLICIES.clear()
     expected = ctx.load_policy(None).model.encode(prompts)
-    (cache,) = (tmp_path / "run" / PROMPT_EMBEDDINGS).iterdir()
+    (cache,) = (tmp_path / "run" / PROMPT_EMBEDDINGS).glob("*.safetensors")  # beside it, its sha256
 
     encoders = [weights / name for name in ("text_encoder", "text_encoder_2")]
     for folder in encoders:  # the encoders' weights gone: a load that read them would fail

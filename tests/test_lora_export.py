@@ -117,7 +117,7 @@ def test_checkpoint_stage_and_solrl_export_write_a_loadable_lora(tmp_path: Path,
         *in_checkpoint.parent.glob("*.safetensors"),
     ):
         assert written.stat().st_mode & 0o777 == readable, written
-    assert len(list((run.run_dir / "prompt_embeddings").iterdir())) == 1  # export encoded no prompts
+    assert len(list((run.run_dir / "prompt_embeddings").glob("*.safetensors"))) == 1  # export encoded no prompts
     stock = _stock_transformer_with(in_checkpoint, caplog)
     policy = ctx.load_policy(Checkpoint.load(run.run_dir, 1))
     x, sigma = torch.randn(2, 1, 16, 16), torch.tensor([0.7, 0.3])

@@ -107,13 +107,13 @@ def _files(out: Path) -> StageOutput:
 
 def test_each_file_is_hashed_once_when_committed_and_readers_check_sizes(tmp_path, monkeypatch):
     hashed: list[str] = []
-    original = stage_module._sha256
+    original = stage_module.file_sha256
 
     def counted(path: Path) -> str:
         hashed.append(Path(path).name)
         return original(path)
 
-    monkeypatch.setattr(stage_module, "_sha256", counted)
+    monkeypatch.setattr(stage_module, "file_sha256", counted)
     commit(tmp_path, "r", 1, "explore", "k", _files)
     assert sorted(hashed) == ["a.bin", "b.bin"]
     hashed.clear()
@@ -378,18 +378,18 @@ def test_pool_chunks_are_hashed_as_written_and_a_sharded_pool_is_merged_by_movin
 
     run = create_run(tiny_config(tmp_path, "campaign.shards=2", "campaign.prompts_per_iteration=4"), "moved")
     read_back: list[str] = []
-    original = stage_module._sha256
+    original = stage_module.file_sha256
 
     def counted(path: Path) -> str:
         read_back.append(Path(path).as_posix())
         return original(path)
 
-    monkeypatch.setattr(stage_module, "_sha256", counted)
+    monkeypatch.setattr(stage_module, "file_sha256", counted)
     manifest, _ = run_stage(StageContext.of(run, 1), "explore")
     assert not [p for p in read_back if ".zarr/" in p]  # every Zarr file hashed as it was written
     assert manifest.info["shards"] == 2
     pool = CandidatePool.load(run.run_dir, 1)
     assert pool.images.shape == (4, 8, 16, 16, 3) and int(np.asarray(pool.images).max()) > 0
     assert not (run.run_dir / "iter_000001" / "explore.shards").exists()
-    monkeypatch.setattr(stage_module, "_sha256", original)
+    monkeypatch.setattr(stage_module, "file_sha256", original)
     assert verify_run(run.run_dir) == []

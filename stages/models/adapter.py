@@ -82,6 +82,27 @@ def _digest_file(cache: Path) -> Path:
     return cache.with_name(cache.name + ".sha256")
 
 
+def write_embedding_cache(cache: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Write a run's prompt-embedding cache (``ModelAdapter.precompute``'s layout: ``<i>/<name>`` per sorted unique
+    prompt ``i``) atomically, then its sha256 beside it (``<cache>.sha256``), which ``precompute`` checks before
+    reading the file: a file without it, or changed since, is encoded again.
+
+    Raises:
+        OSError: a write failed (a full disk); a cache left without its digest is a miss, never read.
+    """
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_name(f".{cache.name}.tmp-{os.getpid()}")
+    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, tmp)
+    plain_modes(tmp)
+    digest = file_sha256(tmp)
+    os.replace(tmp, cache)
+    sidecar = _digest_file(cache)
+    tmp = sidecar.with_name(f".{sidecar.name}.tmp-{os.getpid()}")
+    tmp.write_text(digest + "\n", encoding="utf-8")
+    plain_modes(tmp)
+    os.replace(tmp, sidecar)
+
+
 class EmbeddingCacheMiss(RuntimeError):
     """The prompt-embedding cache cannot serve a model loaded without its text encoders (load them and retry)."""
 
@@ -293,23 +314,10 @@ class ModelAdapter:
                 raise EmbeddingCacheMiss(f"{cache}: no usable prompt embeddings, and the text encoders are not loaded")
             self.encode(unique)
             if cache is not None:
-                cache.parent.mkdir(parents=True, exist_ok=True)
-                tmp = cache.with_name(f".{cache.name}.tmp-{os.getpid()}")
-                save_file(
-                    {
-                        f"{i}/{name}": value.detach().cpu().contiguous()
-                        for i, p in enumerate(unique)
-                        for name, value in self._cache[p].items()
-                    },
-                    tmp,
+                write_embedding_cache(
+                    cache,
+                    {f"{i}/{name}": value for i, p in enumerate(unique) for name, value in self._cache[p].items()},
                 )
-                plain_modes(tmp)
-                digest = file_sha256(tmp)
-                os.replace(tmp, cache)
-                sidecar = _digest_file(cache)
-                tmp = sidecar.with_name(f".{sidecar.name}.tmp-{os.getpid()}")
-                tmp.write_text(digest + "\n", encoding="utf-8")
-                os.replace(tmp, sidecar)
         self.release_text_encoders()
 
     def _load_embeddings(self, cache: Path, prompts: list[str]) -> bool:

@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from solrl.config import ModelConfig
+from solrl.stages.models.adapter import write_embedding_cache
 from solrl.stages.models.diffusers_family import DiffusersFamily, build_once, quiet_diffusers
 
 
@@ -120,5 +120,4 @@ def write_random_embeddings(adapter: DiffusersFamily, prompts: list[str], cache:
                 if not dtype.is_floating_point
                 else torch.randn(shape, generator=g).to(dtype)
             )
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, cache)
+    write_embedding_cache(cache, tensors)
