@@ -107,7 +107,8 @@ def test_the_torchao_fp8_copy_runs_batch_invariant_and_compiled_without_a_break_
     and the copy holds exactly the bytes the memory plan counts from shapes; its error against bf16 is FP8's; a
     seed alone samples what it samples inside a batch (per-token activation scales); an update is re-quantized
     into the cached copy, equal to a fresh build; the copy compiles as one graph and does not recompile after the
-    update; and building it leaves Inductor's process-wide settings alone."""
+    update (compiled by Inductor for tiny-sd3; traced by dynamo for each family); and building it leaves Inductor's
+    process-wide settings alone."""
     from torchao.quantization import Float8Tensor
 
     cfg, policy, inputs = family
@@ -145,6 +146,9 @@ def test_the_torchao_fp8_copy_runs_batch_invariant_and_compiled_without_a_break_
         explained = torch._dynamo.explain(lambda x: policy.model.velocity(net, x, *inputs[1:]))(inputs[0])
     torch._dynamo.reset()
     assert explained.graph_break_count == 0, [str(b.reason)[:200] for b in explained.break_reasons]
+    if cfg.model.family != "sd3":  # Inductor's compile (most of this file's time, cold) once; the trace is per family
+        policy.explore_copies.clear()
+        return
     runs = []
     for _ in range(2):
         with torch.no_grad(), sampling_network(policy, "torchao_fp8", compile=True, min_dim=min_dim) as (net, stats):
