@@ -571,12 +571,11 @@ def resume(
             _fail(str(exc))
         from solrl.stages.context import StageContext
         from solrl.stages.pipeline import first_pending
-        from solrl.storage.html_report import REPORT_DIR
 
         pending = first_pending(StageContext.of(run_, 0))
         # A campaign killed after its last commit, before its report and MLflow's end: the campaign finishes them
         # (every stage skipped, its inputs matching).
-        unreported = pending is None and not (run_.run_dir / REPORT_DIR / "report.html").is_file()
+        unreported = pending is None and not _reported(run_.run_dir)
         if pending is None and not unreported:
             from solrl.storage.retention import prune_run
 
@@ -689,6 +688,18 @@ def _output_target(option: str, given: str | None, suffixes: tuple[str, ...], de
     if not as_folder and path.suffix.lower() not in suffixes:
         _fail(f"{option} {given}: give {article} {suffixes[0]} file (or a folder, for {default_name})")
     return path, as_folder
+
+
+def _reported(run_dir: Path) -> bool:
+    """Whether the campaign's HTML report is in the run store (``<run>/report/report.html``; on the object store
+    for a mirrored run, whose mirror on this machine may lack it)."""
+    from solrl.storage.html_report import REPORT_DIR
+    from solrl.storage.mirror import locate
+
+    place = locate(run_dir)
+    if place.mirrored:
+        return place.store.exists(f"{place.key}/{REPORT_DIR}/report.html")
+    return (run_dir / REPORT_DIR / "report.html").is_file()
 
 
 def _outside_run(option: str, path: Path | None, run_dir: Path) -> None:
