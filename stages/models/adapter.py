@@ -10,7 +10,6 @@ Each family is one ``ModelAdapter`` subclass registered under its
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -24,7 +23,7 @@ from torch import nn
 
 from solrl.config import ConfigError, ModelConfig, RunConfig, registered_family
 from solrl.storage.fingerprint import folder_fingerprint
-from solrl.storage.stage import file_sha256, plain_modes
+from solrl.storage.stage import file_sha256, plain_modes, replaced_atomically
 
 #: What a text encoder gives the transformer for a batch of prompts: name -> tensor ``[B, ...]``.
 Conditioning = dict[str, torch.Tensor]
@@ -91,16 +90,13 @@ def write_embedding_cache(cache: Path, tensors: dict[str, torch.Tensor]) -> None
         OSError: a write failed (a full disk); a cache left without its digest is a miss, never read.
     """
     cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_name(f".{cache.name}.tmp-{os.getpid()}")
-    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, tmp)
-    plain_modes(tmp)
-    digest = file_sha256(tmp)
-    os.replace(tmp, cache)
-    sidecar = _digest_file(cache)
-    tmp = sidecar.with_name(f".{sidecar.name}.tmp-{os.getpid()}")
-    tmp.write_text(digest + "\n", encoding="utf-8")
-    plain_modes(tmp)
-    os.replace(tmp, sidecar)
+    with replaced_atomically(cache) as tmp:
+        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, tmp)
+        plain_modes(tmp)
+        digest = file_sha256(tmp)
+    with replaced_atomically(_digest_file(cache)) as tmp:
+        tmp.write_text(digest + "\n", encoding="utf-8")
+        plain_modes(tmp)
 
 
 class EmbeddingCacheMiss(RuntimeError):
