@@ -363,11 +363,17 @@ class Store:
                 self.fs.put_file(str(path), self.path(f"{key}/{rel}"))
 
     def _local_tmp(self, path: str, data: bytes) -> str:
+        """``data`` written and synced to a new temporary file beside ``path``; on a failed write (a full disk)
+        the partial file is removed before the error propagates."""
         tmp = f"{os.path.dirname(path)}/.{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:8]}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:
+            _unlink(tmp)
+            raise
         return tmp
 
     # Checks -----------------------------------------------------------------------------------------------

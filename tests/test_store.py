@@ -63,6 +63,30 @@ def test_reads_writes_and_conditional_writes(store_uri: str) -> None:
         store.read_bytes("r/b/c.bin")
 
 
+def test_a_full_disk_leaves_no_temporary_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A local write that fails part-way (ENOSPC at the fsync) removes its temporary file: a lease renewed on a
+    full disk left one ``._LEASE.json.tmp-*`` per try."""
+    import errno
+
+    store = Store.open(str(tmp_path))
+    tag = store.create("r/_LEASE.json", b"one")
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full)
+    for write in (
+        lambda: store.write_bytes("r/a.json", b"x"),
+        lambda: store.create("r/b.json", b"x"),
+        lambda: store.replace_if("r/_LEASE.json", b"two", tag),
+    ):
+        with pytest.raises(OSError, match="No space"):
+            write()
+    monkeypatch.undo()
+    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["_LEASE.json"]
+    assert store.read_bytes("r/_LEASE.json") == b"one"
+
+
 def test_another_clients_write_is_seen_at_once(store_uri: str) -> None:
     """Listings are never cached: a file written by another client after this one listed is found (s3fs #657)."""
     reader, writer = Store.open(store_uri), Store.open(store_uri)
