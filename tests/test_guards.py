@@ -144,7 +144,10 @@ def test_on_guard_stop_ends_the_unregularised_preset_at_its_first_sustained_alar
 
     store = tmp_path / "store"
     settings = ["campaign.on_guard=stop", "campaign.guard_grid_min=0", "campaign.iterations=4"]
-    settings += ["tracking.report_every=0"]
+    # Half the preset's prompts, pools and evaluation seeds (91 s -> 62 s alone): the grid energy still goes
+    # 0.0006, 0.0013, 0.0035, 0.0036, so the alarm (3x the start) fires at 2 and 3 with the margins of the full size.
+    settings += ["tracking.report_every=0", "campaign.prompts_per_iteration=4", "explore.pool_size=16"]
+    settings += ["campaign.eval_seeds=4"]
     # Started from the Prefect UI's deployment: its flow run ends in the state "Guard stop", which says how to
     # pass it from the form; `solrl run` and `resume` exit 3 with the same line, naming the command.
     state = sol_rl(config="sol-rl-unregularised", overrides=settings, run_id="u", store=str(store), return_state=True)
