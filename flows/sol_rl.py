@@ -27,7 +27,7 @@ from solrl.flows.progress import current as current_progress
 from solrl.flows.progress import stage_notes
 from solrl.flows.progress import start as start_progress
 from solrl.flows.runners import shard_submit_options, shard_task_runner
-from solrl.processes import disk_full, stop_signal
+from solrl.processes import disk_full, repeated_on_resume, stop_signal
 from solrl.stages.context import StageContext
 from solrl.stages.guards import GuardTrip, guard_trip
 from solrl.stages.memory import UNCHECKED
@@ -63,14 +63,14 @@ def _worth_retrying(task, task_run, state) -> bool:
     """Prefect's ``retry_condition_fn`` of the stage and shard tasks: a stage that failed because a disk is full
     (``solrl.processes.disk_full``) is not run again 2 s later on a disk as full (an update of hours, for
     nothing): the campaign fails at once, and ``solrl run`` says where space is short. Nor is one that failed on
-    what its inputs determine: a reward's unusable scores (``RewardError``), NaN samples (``NonFiniteSamples``)."""
+    what its inputs determine: a reward's unusable scores (``RewardError``), or what ``repeated_on_resume`` names
+    (a NaN loss or gradient norm, NaN samples, a committed input whose bytes changed)."""
     from solrl.stages.rewards.base import RewardError
-    from solrl.stages.sampling.rollout import NonFiniteSamples
 
     error = state.data
-    if isinstance(error, RewardError | NonFiniteSamples):
+    if isinstance(error, RewardError):
         return False
-    return not (isinstance(error, BaseException) and disk_full(error) is not None)
+    return not (isinstance(error, BaseException) and (disk_full(error) or repeated_on_resume(error)) is not None)
 
 
 @task(

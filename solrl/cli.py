@@ -169,7 +169,8 @@ def _launch(store: str, run_id: str) -> None:
             _fail(("terminated (SIGTERM)" if code == 143 else "interrupted") + f"; {resume}", code)
         if not isinstance(exc, Exception):
             raise
-        from solrl.processes import disk_full
+        from solrl.processes import disk_full, repeated_on_resume
+        from solrl.storage.stage import StageChanged
 
         if (full := disk_full(exc)) is not None:  # not retried (flows.sol_rl): say where space is short
             _fail(
@@ -177,6 +178,20 @@ def _launch(store: str, run_id: str) -> None:
                 f"  committed stages are kept; free some, then {resume}",
                 1,
             )
+        if (same := repeated_on_resume(exc)) is not None:  # not retried either: a resume alone fails the same way
+            if isinstance(same, StageChanged):
+                how = (
+                    f"`solrl resume` alone would read the changed file again: "
+                    f"`{_command('verify', run_id, '--store', store, '--redo')}` uncommits its stage and every stage "
+                    f"that read it, then {resume}"
+                )
+            else:
+                how = (
+                    "`solrl resume` would compute the same again (a run keeps the config, weights and seeds it began "
+                    "with): start a new run with the setting changed, `solrl run CONFIG --set section.key=value`; "
+                    f"`{_command('export', run_id, '--store', store, '--out', 'FOLDER')}` takes its last checkpoint"
+                )
+            _fail(f"{same.__class__.__name__}: {same}\n  committed stages are kept, but {how}", 1)
         _fail(
             f"{exc.__class__.__name__}: {exc}\n  committed stages are kept; {resume}",
             1,

@@ -1,5 +1,5 @@
 """Child processes that must not outlive solrl (the temporary Prefect server, torchrun), and the failures that end
-a process rather than a try: a stop signal, a full disk."""
+a process rather than a try: a stop signal, a full disk, an error the run's own inputs decide."""
 
 from __future__ import annotations
 
@@ -50,6 +50,25 @@ def _chain(exc: BaseException) -> Iterator[BaseException]:
         seen.add(id(current))
         yield current
         current = current.__cause__ or current.__context__
+
+
+def repeated_on_resume(exc: BaseException) -> BaseException | None:
+    """The error in ``exc`` or its chain that a retry of the stage, or a ``solrl resume``, would meet again, as the
+    run's fixed config, weights, seeds and committed inputs decide it; None when there is none:
+
+    - ``FloatingPointError``: a non-finite loss or gradient norm (``stages.update``);
+    - ``NonFiniteSamples``: sampling diverged to NaN or inf (``stages.sampling.rollout``);
+    - ``StageChanged``: a committed input's bytes changed, and its manifest still stands (``storage.stage``).
+
+    A reward's unusable scores (``RewardError``) are not among them: a reward server or plug-in fixed in between
+    makes a resume succeed."""
+    from solrl.stages.sampling.rollout import NonFiniteSamples
+    from solrl.storage.stage import StageChanged
+
+    for current in _chain(exc):
+        if isinstance(current, FloatingPointError | NonFiniteSamples | StageChanged):
+            return current
+    return None
 
 
 #: ``errno`` values of a write that a retry cannot make succeed: the device is full, the user's quota is spent.

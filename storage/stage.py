@@ -78,6 +78,12 @@ class StageNotCommitted(FileNotFoundError):
     """A stage output was asked for but has no valid manifest (never ran, crashed, or was tampered with)."""
 
 
+class StageChanged(StageNotCommitted):
+    """A committed stage's file has other bytes than its manifest's sha256 (changed in place at the same size):
+    its manifest still stands, so a resume would skip the stage and fail on it again; ``solrl verify --redo``
+    uncommits it and the stages that read it."""
+
+
 class FileEntry(BaseModel):
     size: int
     sha256: str
@@ -474,8 +480,8 @@ def require(
 
     Raises:
         StageNotCommitted: the stage has no valid manifest, or a file is missing or of another size (or, once
-            fetched from an object store, fails its checksum), or a ``verify`` file fails its checksum; its
-            folder must not be read.
+            fetched from an object store, fails its checksum); its folder must not be read.
+        StageChanged: (a ``StageNotCommitted``) a ``verify`` file fails its checksum.
     """
     manifest = read_manifest(run_dir, iteration, stage, fetch=True, defer=defer)
     if manifest is None:
@@ -486,7 +492,7 @@ def require(
             inside = verify == "." or rel == verify or rel.startswith(f"{verify}/")
             if inside and file_sha256(folder / rel) != entry.sha256:
                 redo = shlex.join(["solrl", "verify", run_dir.name, "--store", locate(run_dir).store.address, "--redo"])
-                raise StageNotCommitted(
+                raise StageChanged(
                     f"iteration {iteration} stage {stage!r}: {rel} changed since it was committed (sha256); "
                     f"`{redo}` uncommits the stage"
                 )

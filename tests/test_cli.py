@@ -622,3 +622,65 @@ def test_a_full_disk_while_writing_the_report_page_leaves_the_earlier_page_whole
     result = runner.invoke(app, ["report", "r", "--store", store, "--html", str(page)])
     assert result.exit_code == 2 and "cannot write the page there (No space left on device)" in result.stderr
     assert page.read_bytes() == earlier and sorted(p.name for p in tmp_path.iterdir()) == ["r.html", "store"]
+
+
+def test_a_failure_a_resume_would_repeat_names_what_gets_past_it(monkeypatch, capsys):
+    """A breaker's finding: every failed campaign advised `solrl resume`, also where a resume fails the same way.
+    A NaN loss or gradient and NaN samples are what the run's fixed config, weights and seeds compute (a new run
+    with a changed setting gets past them); a committed input whose bytes changed keeps its manifest (`verify
+    --redo` uncommits it first). Neither is retried; any other error still says to resume."""
+    import contextlib
+    import signal
+    from types import SimpleNamespace
+
+    import typer
+
+    import solrl.cli as cli
+    import solrl.flows.server
+    import solrl.flows.sol_rl
+    from solrl.flows.sol_rl import _worth_retrying
+    from solrl.stages.sampling.rollout import NonFiniteSamples
+    from solrl.storage.stage import StageChanged
+
+    def wrapped(error: Exception) -> RuntimeError:  # as a process of the update reports its own error
+        try:
+            raise error
+        except Exception as inner:
+            try:
+                raise RuntimeError("update failed") from inner
+            except RuntimeError as outer:
+                return outer
+
+    monkeypatch.setattr(solrl.flows.server, "prefect_api", contextlib.nullcontext)
+    resume = "continue with `solrl resume r --store /s`"
+    cases = (
+        (wrapped(FloatingPointError("non-finite grad norm nan; lower train.lr")), "FloatingPointError: non-finite"),
+        (NonFiniteSamples("explore: 1 of 4 samples came out NaN"), "NonFiniteSamples: explore: 1 of 4"),
+        (StageChanged("iteration 1 stage 'checkpoint': policy.safetensors changed"), "StageChanged: iteration 1"),
+        (RuntimeError("CUDA error: an illegal memory access"), "RuntimeError: CUDA error"),
+    )
+    for error, said in cases:
+
+        def campaign(store: str, run_id: str, error: Exception = error) -> None:
+            raise error
+
+        monkeypatch.setattr(solrl.flows.sol_rl, "campaign", campaign)
+        try:
+            with pytest.raises(typer.Exit) as exited:
+                cli._launch("/s", "r")
+        finally:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        err = capsys.readouterr().err
+        assert exited.value.exit_code == 1 and err.startswith(f"solrl: error: {said}"), err
+        retried = _worth_retrying(None, None, SimpleNamespace(data=error))
+        if isinstance(error, StageChanged):
+            redo = "`solrl verify r --store /s --redo` uncommits its stage and every stage that read it, then "
+            assert redo + resume in err
+            assert not retried
+        elif "CUDA" in said:
+            assert err.endswith(f"committed stages are kept; {resume}\n") and retried
+        else:
+            assert "but `solrl resume` would compute the same again" in err and "`solrl run CONFIG --set " in err
+            assert "`solrl export r --store /s --out FOLDER` takes its last checkpoint" in err and resume not in err
+            assert not retried

@@ -210,8 +210,18 @@ def test_a_checkpoint_changed_in_place_is_refused_when_read_not_trained_on(tmp_p
     assert read_manifest(tmp_path, 1, "checkpoint") is not None  # the size is the same
     with pytest.raises(
         StageNotCommitted, match=r"policy.safetensors changed since it was committed \(sha256\); `solrl"
-    ):
+    ) as refused:
         Checkpoint.load(tmp_path, 1)
+    # Its manifest stands, so neither a retry nor a resume alone gets past it: `solrl run` names `verify --redo`
+    # (tests/test_cli.py), and the stage task is not retried.
+    from types import SimpleNamespace
+
+    from solrl.flows.sol_rl import _worth_retrying
+    from solrl.processes import repeated_on_resume
+    from solrl.storage.stage import StageChanged
+
+    assert isinstance(refused.value, StageChanged) and repeated_on_resume(refused.value) is refused.value
+    assert not _worth_retrying(None, None, SimpleNamespace(data=refused.value))
 
 
 def test_open_run_detects_an_edited_config_but_accepts_an_older_schema(tmp_path: Path):
