@@ -188,9 +188,11 @@ def _launch(store: str, run_id: str) -> None:
             else:
                 how = (
                     "`solrl resume` would compute the same again (a run keeps the config, weights and seeds it began "
-                    "with): start a new run with the setting changed, `solrl run CONFIG --set section.key=value`; "
-                    f"`{_command('export', run_id, '--store', store, '--out', 'FOLDER')}` takes its last checkpoint"
+                    "with): start a new run with the setting changed, `solrl run CONFIG --set section.key=value`"
                 )
+                if (last := _last_checkpoint(store, run_id)) is not None:
+                    export = _command("export", run_id, "--store", store, "--out", "FOLDER")
+                    how += f"; `{export}` takes its last checkpoint (iteration {last})"
             _fail(f"{same.__class__.__name__}: {same}\n  committed stages are kept, but {how}", 1)
         _fail(
             f"{exc.__class__.__name__}: {exc}\n  committed stages are kept; {resume}",
@@ -203,6 +205,19 @@ def _launch(store: str, run_id: str) -> None:
 
         typer.echo(f"solrl: {stop}", err=True)
         raise typer.Exit(GUARD_STOP_EXIT)
+
+
+def _last_checkpoint(store: str, run_id: str) -> int | None:
+    """The iteration of the run's last committed checkpoint; None when it has none (or cannot be opened)."""
+    from solrl.storage.runs import open_run
+    from solrl.storage.stage import read_manifest
+
+    try:
+        run_ = open_run(store, run_id)
+    except (ConfigError, OSError):
+        return None
+    iterations = range(run_.config.campaign.iterations, 0, -1)
+    return next((i for i in iterations if read_manifest(run_.run_dir, i, "checkpoint") is not None), None)
 
 
 def _free_space(store: str) -> str:

@@ -624,7 +624,7 @@ def test_a_full_disk_while_writing_the_report_page_leaves_the_earlier_page_whole
     assert page.read_bytes() == earlier and sorted(p.name for p in tmp_path.iterdir()) == ["r.html", "store"]
 
 
-def test_a_failure_a_resume_would_repeat_names_what_gets_past_it(monkeypatch, capsys):
+def test_a_failure_a_resume_would_repeat_names_what_gets_past_it(tmp_path: Path, monkeypatch, capsys):
     """A breaker's finding: every failed campaign advised `solrl resume`, also where a resume fails the same way.
     A NaN loss or gradient and NaN samples are what the run's fixed config, weights and seeds compute (a new run
     with a changed setting gets past them); a committed input whose bytes changed keeps its manifest (`verify
@@ -634,13 +634,16 @@ def test_a_failure_a_resume_would_repeat_names_what_gets_past_it(monkeypatch, ca
     from types import SimpleNamespace
 
     import typer
+    from conftest import tiny_config
 
     import solrl.cli as cli
     import solrl.flows.server
     import solrl.flows.sol_rl
     from solrl.flows.sol_rl import _worth_retrying
     from solrl.stages.sampling.rollout import NonFiniteSamples
-    from solrl.storage.stage import StageChanged
+    from solrl.storage.artifacts import Checkpoint
+    from solrl.storage.runs import create_run
+    from solrl.storage.stage import StageChanged, StageOutput, commit
 
     def wrapped(error: Exception) -> RuntimeError:  # as a process of the update reports its own error
         try:
@@ -651,36 +654,49 @@ def test_a_failure_a_resume_would_repeat_names_what_gets_past_it(monkeypatch, ca
             except RuntimeError as outer:
                 return outer
 
-    monkeypatch.setattr(solrl.flows.server, "prefect_api", contextlib.nullcontext)
-    resume = "continue with `solrl resume r --store /s`"
-    cases = (
-        (wrapped(FloatingPointError("non-finite grad norm nan; lower train.lr")), "FloatingPointError: non-finite"),
-        (NonFiniteSamples("explore: 1 of 4 samples came out NaN"), "NonFiniteSamples: explore: 1 of 4"),
-        (StageChanged("iteration 1 stage 'checkpoint': policy.safetensors changed"), "StageChanged: iteration 1"),
-        (RuntimeError("CUDA error: an illegal memory access"), "RuntimeError: CUDA error"),
-    )
-    for error, said in cases:
-
-        def campaign(store: str, run_id: str, error: Exception = error) -> None:
+    def launch(error: Exception, store: str) -> str:
+        def campaign(store: str, run_id: str) -> None:
             raise error
 
         monkeypatch.setattr(solrl.flows.sol_rl, "campaign", campaign)
         try:
             with pytest.raises(typer.Exit) as exited:
-                cli._launch("/s", "r")
+                cli._launch(store, "r")
         finally:
             signal.signal(signal.SIGINT, signal.default_int_handler)
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        err = capsys.readouterr().err
-        assert exited.value.exit_code == 1 and err.startswith(f"solrl: error: {said}"), err
+        assert exited.value.exit_code == 1
+        return capsys.readouterr().err
+
+    monkeypatch.setattr(solrl.flows.server, "prefect_api", contextlib.nullcontext)
+    resume = "continue with `solrl resume r --store /s`"
+    nan = wrapped(FloatingPointError("non-finite grad norm nan; lower train.lr"))
+    for error, said in (
+        (nan, "FloatingPointError: non-finite"),
+        (NonFiniteSamples("explore: 1 of 4 samples came out NaN"), "NonFiniteSamples: explore: 1 of 4"),
+        (StageChanged("iteration 1 stage 'checkpoint': policy.safetensors changed"), "StageChanged: iteration 1"),
+        (RuntimeError("CUDA error: an illegal memory access"), "RuntimeError: CUDA error"),
+    ):
+        err = launch(error, "/s")
+        assert err.startswith(f"solrl: error: {said}"), err
         retried = _worth_retrying(None, None, SimpleNamespace(data=error))
         if isinstance(error, StageChanged):
             redo = "`solrl verify r --store /s --redo` uncommits its stage and every stage that read it, then "
-            assert redo + resume in err
-            assert not retried
+            assert redo + resume in err and not retried
         elif "CUDA" in said:
             assert err.endswith(f"committed stages are kept; {resume}\n") and retried
         else:
             assert "but `solrl resume` would compute the same again" in err and "`solrl run CONFIG --set " in err
-            assert "`solrl export r --store /s --out FOLDER` takes its last checkpoint" in err and resume not in err
+            assert "takes its last checkpoint" not in err and resume not in err  # no run r in /s: no checkpoint
             assert not retried
+
+    # A run with a committed checkpoint: the error names the export of it.
+    run = create_run(tiny_config(tmp_path), "r")
+
+    def write(out: Path) -> StageOutput:
+        Checkpoint({"policy": {}}, {"global_step": 2}).write(out)
+        return StageOutput(metrics={}, info={})
+
+    commit(run.run_dir, "r", 1, "checkpoint", "k", write)
+    err = launch(nan, str(tmp_path))
+    assert f"`solrl export r --store {tmp_path} --out FOLDER` takes its last checkpoint (iteration 1)" in err, err
