@@ -52,21 +52,19 @@ def _chain(exc: BaseException) -> Iterator[BaseException]:
         current = current.__cause__ or current.__context__
 
 
+class RepeatsOnResume(Exception):
+    """Base of the errors that the run's fixed config, weights, seeds and committed inputs decide, so that a retry
+    of the stage or a ``solrl resume`` meets them again: NaN samples (``stages.sampling.rollout.NonFiniteSamples``),
+    a committed input whose bytes changed (``storage.stage.StageChanged``). A plug-in may derive its own."""
+
+
 def repeated_on_resume(exc: BaseException) -> BaseException | None:
-    """The error in ``exc`` or its chain that a retry of the stage, or a ``solrl resume``, would meet again, as the
-    run's fixed config, weights, seeds and committed inputs decide it; None when there is none:
-
-    - ``FloatingPointError``: a non-finite loss or gradient norm (``stages.update``);
-    - ``NonFiniteSamples``: sampling diverged to NaN or inf (``stages.sampling.rollout``);
-    - ``StageChanged``: a committed input's bytes changed, and its manifest still stands (``storage.stage``).
-
-    A reward's unusable scores (``RewardError``) are not among them: a reward server or plug-in fixed in between
-    makes a resume succeed."""
-    from solrl.stages.sampling.rollout import NonFiniteSamples
-    from solrl.storage.stage import StageChanged
-
+    """The error in ``exc`` or its chain that a retry of the stage, or a ``solrl resume``, would meet again; None
+    when there is none: a ``RepeatsOnResume``, or a ``FloatingPointError`` (a non-finite loss or gradient norm,
+    ``stages.update``). A reward's unusable scores (``RewardError``) are not among them: a reward server or plug-in
+    fixed in between makes a resume succeed."""
     for current in _chain(exc):
-        if isinstance(current, FloatingPointError | NonFiniteSamples | StageChanged):
+        if isinstance(current, FloatingPointError | RepeatsOnResume):
             return current
     return None
 

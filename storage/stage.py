@@ -37,6 +37,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from solrl.processes import RepeatsOnResume
 from solrl.storage.mirror import RunPlace, locate
 from solrl.storage.store import Store, fsync_dir
 
@@ -78,7 +79,7 @@ class StageNotCommitted(FileNotFoundError):
     """A stage output was asked for but has no valid manifest (never ran, crashed, or was tampered with)."""
 
 
-class StageChanged(StageNotCommitted):
+class StageChanged(RepeatsOnResume, StageNotCommitted):
     """A committed stage's file has other bytes than its manifest's sha256 (changed in place at the same size):
     its manifest still stands, so a resume would skip the stage and fail on it again; ``solrl verify --redo``
     uncommits it and the stages that read it."""

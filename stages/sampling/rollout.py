@@ -9,12 +9,13 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from solrl.processes import RepeatsOnResume
 from solrl.stages.models import ModelAdapter
 from solrl.stages.models.adapter import Conditioning, compute_precision
 from solrl.stages.sampling.samplers import Trajectory, batched, initial_noise, sample_ode_with, sample_sde, seed_noise
 
 
-class NonFiniteSamples(ValueError):
+class NonFiniteSamples(RepeatsOnResume, ValueError):
     """Sampling gave NaN or inf latents: the stage stops and commits nothing (a pool of them would be scored,
     ranked and trained on as if it were images)."""
 
