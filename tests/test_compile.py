@@ -110,22 +110,22 @@ def test_a_compiled_campaign_recompiles_nothing_after_its_first_iteration_and_ke
     from solrl.flows.sol_rl import campaign
 
     store = tmp_path / "store"
-    extra = ["explore.compile=true", "regenerate.compile=true", "campaign.iterations=3"]
+    extra = ["explore.compile=true", "regenerate.compile=true"]  # TINY's 2 iterations: the second compiles nothing
     run = create_run(tiny_config(store, *extra), "compiled")
     campaign(str(store), run.run_id)
 
     # Iteration 0's evaluation and iteration 1 warm up (compile, unless an earlier test of this process already
-    # compiled the same graphs: dynamo's cache is per process); from iteration 2 on nothing compiles.
+    # compiled the same graphs: dynamo's cache is per process); iteration 2 compiles nothing, its audit included
+    # (a third iteration cost 10 s and checked the same again).
     for iteration, stage in ((0, "evaluate"), (1, "explore"), (1, "regenerate")):
         metrics = read_manifest(run.run_dir, iteration, stage).metrics
         assert metrics[f"{stage}/compile_seconds"] >= 0 and f"{stage}/compiled_graphs" in metrics, metrics
-    for iteration in (2, 3):
-        for stage in ("explore", "regenerate", "evaluate"):
-            metrics = read_manifest(run.run_dir, iteration, stage).metrics
-            assert metrics[f"{stage}/compiled_graphs"] == 0, (iteration, stage, metrics)
+    for stage in ("explore", "regenerate", "evaluate"):
+        metrics = read_manifest(run.run_dir, 2, stage).metrics
+        assert metrics[f"{stage}/compiled_graphs"] == 0, (stage, metrics)
     assert read_manifest(run.run_dir, 2, "audit").metrics["audit/compiled_graphs"] == 0
 
-    # The eager campaign of the same config, 2 iterations (nothing in an iteration depends on the count).
+    # The eager campaign of the same config.
     for iteration in (1, 2):
         kept = [
             Selection.read(stage_dir(r.run_dir, iteration, "select") / Selection.filename).ordered
