@@ -180,11 +180,7 @@ def _launch(store: str, run_id: str) -> None:
             )
         if (same := repeated_on_resume(exc)) is not None:  # not retried either: a resume alone fails the same way
             if isinstance(same, StageChanged):
-                how = (
-                    f"`solrl resume` alone would read the changed file again: "
-                    f"`{_command('verify', run_id, '--store', store, '--redo')}` uncommits its stage and every stage "
-                    f"that read it, then {resume}"
-                )
+                how = f"`solrl resume` alone would read the changed file again: `verify --redo` first, then {resume}"
             else:
                 how = (
                     "`solrl resume` would compute the same again (a run keeps the config, weights and seeds it began "

@@ -495,7 +495,7 @@ def require(
                 redo = shlex.join(["solrl", "verify", run_dir.name, "--store", locate(run_dir).store.address, "--redo"])
                 raise StageChanged(
                     f"iteration {iteration} stage {stage!r}: {rel} changed since it was committed (sha256); "
-                    f"`{redo}` uncommits the stage"
+                    f"`{redo}` uncommits it and every stage that read it"
                 )
     return folder, manifest
 
