@@ -186,7 +186,7 @@ def _launch(store: str, run_id: str) -> None:
                     "`solrl resume` would compute the same again (a run keeps the config, weights and seeds it began "
                     "with): start a new run with the setting changed, `solrl run CONFIG --set section.key=value`"
                 )
-                if (last := _last_checkpoint(store, run_id)) is not None:
+                if last := _last_checkpoint(store, run_id):
                     export = _command("export", run_id, "--store", store, "--out", "FOLDER")
                     how += f"; `{export}` takes its last checkpoint (iteration {last})"
             _fail(f"{same.__class__.__name__}: {same}\n  committed stages are kept, but {how}", 1)
@@ -203,17 +203,16 @@ def _launch(store: str, run_id: str) -> None:
         raise typer.Exit(GUARD_STOP_EXIT)
 
 
-def _last_checkpoint(store: str, run_id: str) -> int | None:
-    """The iteration of the run's last committed checkpoint; None when it has none (or cannot be opened)."""
+def _last_checkpoint(store: str, run_id: str) -> int:
+    """The iteration of the run's last committed checkpoint; 0 when it has none (or cannot be opened)."""
+    from solrl.storage.retention import latest_checkpoint
     from solrl.storage.runs import open_run
-    from solrl.storage.stage import read_manifest
 
     try:
         run_ = open_run(store, run_id)
     except (ConfigError, OSError):
-        return None
-    iterations = range(run_.config.campaign.iterations, 0, -1)
-    return next((i for i in iterations if read_manifest(run_.run_dir, i, "checkpoint") is not None), None)
+        return 0
+    return latest_checkpoint(run_.run_dir, run_.config.campaign.iterations)
 
 
 def _free_space(store: str) -> str:
