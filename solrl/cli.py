@@ -134,8 +134,17 @@ def _stoppable(resume: list[str]) -> Iterator[None]:
         if code is None:
             raise
         created = resume and (Path(resume[1]) / resume[0] / "run.json").exists()
-        hint = f"; continue with `{_command('resume', resume[0], '--store', resume[1])}`" if created else ""
-        _fail(("terminated (SIGTERM)" if code == 143 else "interrupted") + hint, code)
+        _stopped(code, f"continue with `{_command('resume', resume[0], '--store', resume[1])}`" if created else "")
+
+
+def _stopped(code: int, hint: str) -> None:
+    """End a command that a stop signal interrupted: one line (``terminated (SIGTERM)`` for 143, ``interrupted``
+    for 130, then ``hint`` when given), exit status ``code``, and an exit that takes at most
+    ``solrl.processes.EXIT_GRACE_S`` whatever a library's exit handler waits on."""
+    from solrl.processes import exit_within
+
+    exit_within(code)
+    _fail(("terminated (SIGTERM)" if code == 143 else "interrupted") + (f"; {hint}" if hint else ""), code)
 
 
 def _start_prefect_early() -> None:
@@ -166,7 +175,7 @@ def _launch(store: str, run_id: str) -> None:
     except BaseException as exc:  # the flow already logged the traceback
         code = _stop_exit(exc)  # a stop, even one a library wrapped in its own exception
         if code is not None:
-            _fail(("terminated (SIGTERM)" if code == 143 else "interrupted") + f"; {resume}", code)
+            _stopped(code, resume)
         if not isinstance(exc, Exception):
             raise
         from solrl.processes import disk_full, repeated_on_resume

@@ -1,8 +1,10 @@
 """Child processes that must not outlive solrl (the temporary Prefect server, torchrun), and the failures that end
-a process rather than a try: a stop signal, a full disk, an error the run's own inputs decide."""
+a process rather than a try: a stop signal, a full disk, an error the run's own inputs decide; and a stopped
+process's exit, bounded in time."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
@@ -87,3 +89,44 @@ def disk_full(exc: BaseException) -> Exception | None:
         if isinstance(current, Exception) and any(text in str(current) for text in _FULL_TEXTS):
             return current
     return None
+
+
+#: After a stop signal, the longest the process's own exit may take, in seconds: Python's exit joins the threads that
+#: libraries left running and runs their ``atexit`` handlers, and one that waits on a server the stop has already
+#: ended would keep a stopped run's terminal, and its process group, waiting.
+EXIT_GRACE_S = 10.0
+
+
+def exit_within(code: int, seconds: float = EXIT_GRACE_S) -> None:
+    """Make sure this process ends, with exit status ``code``, at most ``seconds`` from now: a daemon thread waits,
+    and where the interpreter's exit (the non-daemon threads it joins, the ``atexit`` handlers it runs) is still
+    going on by then, writes one line to stderr naming the threads and the main thread's frame it waits in, flushes
+    stdout and stderr and ends the process with ``os._exit(code)``. Called once a stop signal has been handled and
+    the process is about to exit; a process that exits in time never hears of it.
+
+    Args:
+        code: the exit status (130 after Ctrl-C, 143 after SIGTERM).
+        seconds: the grace, in seconds.
+    """
+    import sys
+    import threading
+    import time
+    import traceback
+
+    main = threading.main_thread()
+
+    def end() -> None:
+        time.sleep(seconds)
+        threads = sorted(t.name for t in threading.enumerate() if t is not main and not t.daemon)
+        frame = sys._current_frames().get(main.ident or -1)
+        where = traceback.extract_stack(frame)[-1] if frame is not None else None
+        at = f"{where.filename}:{where.lineno} in {where.name}" if where is not None else "an unknown frame"
+        waiting = f"threads {', '.join(threads)}" if threads else "no other thread"
+        with contextlib.suppress(Exception):
+            sys.stderr.write(f"solrl: exiting after {seconds:g} s of exit handlers (main thread at {at}; {waiting})\n")
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
+
+    threading.Thread(target=end, name="solrl-exit-within", daemon=True).start()

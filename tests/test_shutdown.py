@@ -100,6 +100,25 @@ def test_ctrl_c_to_the_process_group_exits_130_leaves_no_child_and_resumes(tmp_p
     assert not [p for p in (store / "ctrlc").rglob(".*") if ".tmp-" in p.name or ".trash-" in p.name]
 
 
+@pytest.mark.parametrize("waits_in", ["thread", "atexit"])
+def test_a_stopped_process_whose_exit_handlers_hang_still_exits_with_its_code(waits_in: str):
+    """``exit_within``, which ``solrl`` arms once it has handled a stop: a non-daemon thread that never ends, or an
+    ``atexit`` handler that never returns (a library flushing to a server the stop ended), no longer keeps the
+    stopped process alive; it ends with the stop's exit status and names what it waited on."""
+    hang = {
+        "thread": "threading.Thread(target=time.sleep, args=(600,), name='flush-to-server').start()",
+        "atexit": "def flush_to_server():\n    time.sleep(600)\natexit.register(flush_to_server)",
+    }[waits_in]
+    code = f"import atexit, threading, time\nfrom solrl.processes import exit_within\n{hang}\nexit_within(130, 1.0)\n"
+    started = time.time()
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 130, done.stderr
+    assert time.time() - started < 60
+    assert "solrl: exiting after 1 s of exit handlers" in done.stderr
+    where = "threads flush-to-server" if waits_in == "thread" else "in flush_to_server"
+    assert where in done.stderr, done.stderr
+
+
 def test_sigterm_exits_143_and_stops_the_temporary_prefect_server(tmp_path: Path):
     store = tmp_path / "store"
     proc = start_run(store, "term")
