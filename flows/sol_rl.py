@@ -230,7 +230,8 @@ def sol_rl_iteration(
         result = _run_and_track(store, run_id, iteration, stage, tracker, retries, parallel_shards)
         metrics.update(result["manifest"]["metrics"])
     every = run.config.tracking.report_every  # the campaign's end writes its own (``_log_report``)
-    due = bool(every) and iteration % every == 0 and iteration < run.config.campaign.iterations
+    due = run.config.tracking.report and bool(every) and iteration % every == 0
+    due = due and iteration < run.config.campaign.iterations
     trip = _guard_trip(run, iteration, stages)
     cockpit.publish_iteration(
         run.run_dir,
@@ -374,7 +375,8 @@ def run_campaign(store: str, run_id: str) -> dict[str, float]:
             progress.close()
         if freed := prune_run(run.config, run.run_dir):  # settings changed since earlier iterations ran
             logger.info("%.1f MiB of earlier iterations' pool data pruned (storage.pool, keep_pools)", freed / 2**20)
-        _log_report(run, tracker, logger)
+        if run.config.tracking.report:
+            _log_report(run, tracker, logger)
         tracker.finish()
     return metrics
 

@@ -310,13 +310,17 @@ def _report(store: str, run_id: str, outcome: str = "finished") -> None:
         prefect_home = "~/.prefect" if home is None else shlex.quote(home)
         prefect_ui = f"PREFECT_HOME={prefect_home} prefect server start   (then http://127.0.0.1:4200)"
     mirrored = run.place.mirrored  # an object store's run, worked on through a mirror here
+    if run.config.tracking.report:
+        page = f"{run.run_dir / REPORT_DIR / 'report.html'}"
+    else:
+        page = f"none written (tracking.report: false): {_command('report', run_id, '--store', run.store)} --html FILE"
     typer.echo(
         f"\nrun {run_id} {outcome}; results in {run.store}/{run_id}"
         + (f" (this machine's copy: {run.run_dir})" if mirrored else "")
         + "\n"
         + (f"  evaluated:  {summary}\n" if summary else "")
         + f"  per-iteration stages: {run.run_dir}/iter_*/<stage>/ (Zarr pools, Parquet tables, checkpoint)\n"
-        f"  report:     {run.run_dir / REPORT_DIR / 'report.html'}\n"
+        f"  report:     {page}\n"
         f"  table:      {_command('report', run_id, '--store', run.store)}\n"
         f"  LoRA:       {_command('export', run_id, '--store', run.store)} --out <folder>\n"
         f"  MLflow UI:  {mlflow_ui}\n"
@@ -609,7 +613,7 @@ def resume(
         pending = first_pending(StageContext.of(run_, 0))
         # A campaign killed after its last commit, before its report and MLflow's end: the campaign finishes them
         # (every stage skipped, its inputs matching).
-        unreported = pending is None and not _reported(run_.run_dir)
+        unreported = pending is None and not _ended(run_)
         if pending is None and not unreported:
             from solrl.storage.retention import prune_run
 
@@ -626,7 +630,8 @@ def resume(
             )
             return
         _start_prefect_early()
-        where = "its report (every stage committed)" if unreported else f"iteration {pending[0]}, stage {pending[1]}"
+        end = "its report" if run_.config.tracking.report else "its end"
+        where = f"{end} (every stage committed)" if unreported else f"iteration {pending[0]}, stage {pending[1]}"
         typer.echo(f"resuming run {run_id} at {where}\n{memory}")
         _launch(run_.store, run_id)
 
@@ -722,6 +727,25 @@ def _output_target(option: str, given: str | None, suffixes: tuple[str, ...], de
     if not as_folder and path.suffix.lower() not in suffixes:
         _fail(f"{option} {given}: give {article} {suffixes[0]} file (or a folder, for {default_name})")
     return path, as_folder
+
+
+def _ended(run_) -> bool:
+    """Whether the campaign's end ran: its HTML report is in the run store (``_reported``) or, where
+    ``tracking.report`` is false, its MLflow run is FINISHED (``False`` where MLflow cannot tell)."""
+    if run_.config.tracking.report:
+        return _reported(run_.run_dir)
+    import json
+
+    import mlflow
+
+    from solrl.storage.tracking import TRACKING_FILE
+
+    try:
+        stored = json.loads((run_.run_dir / TRACKING_FILE).read_text())
+        client = mlflow.MlflowClient(tracking_uri=stored["tracking_uri"])
+        return client.get_run(stored["mlflow_run_id"]).info.status == "FINISHED"
+    except Exception:  # no record, another shape, an unreachable server: the campaign's end runs again
+        return False
 
 
 def _reported(run_dir: Path) -> bool:

@@ -495,6 +495,12 @@ class TrackingConfig(_Section):
         description="Rewrite the run store's HTML report (<run>/report/) every N iterations and link it from the "
         "Prefect UI; 0 = only when the campaign ends. About 2 s per report for the default preset on 2 cores.",
     )
+    report: bool = Field(
+        True,
+        description="Write the HTML report into the run store (every report_every iterations and when the campaign "
+        "ends), log it to MLflow and link it from the Prefect UI. false = none, e.g. for a sweep of short runs "
+        "compared in MLflow; `solrl report RUN --html` writes the page later from the stored run.",
+    )
 
 
 class CampaignConfig(_Section):
@@ -862,6 +868,7 @@ LAYOUT_FIELDS = (
     ("train", "parallel"),
     ("train", "gradient_checkpointing"),
     ("tracking", "report_every"),
+    ("tracking", "report"),
     ("storage", "pool"),
     ("storage", "keep_pools"),
 )

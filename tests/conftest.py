@@ -103,7 +103,8 @@ def own_prefect_server(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 #: Overrides that make a tiny-digits run take seconds: 2 prompts x pool 8, keep 4, 2 iterations,
-#: a full-pool fidelity audit at iteration 2.
+#: a full-pool fidelity audit at iteration 2, and no HTML report (about 2 s of a 12 s campaign, written by 60 of the
+#: suite's campaigns that never read it). A test of the report, or of what links or uploads it, adds ``REPORT``.
 TINY = [
     "explore.pool_size=8",
     "select.k=4",
@@ -113,7 +114,9 @@ TINY = [
     "train.optimizer_steps=2",
     "tracking.grid_prompts=2",
     "fidelity.audit_every=2",
+    NO_REPORT := "tracking.report=false",
 ]
+REPORT = "tracking.report=true"
 
 
 #: What the forkserver of the tests' child processes imports once, so each child forks with it loaded: the
@@ -145,7 +148,7 @@ def tiny_campaign(tmp_path_factory: pytest.TempPathFactory):
     from solrl.storage.runs import create_run
 
     store = tmp_path_factory.mktemp("tiny-campaign") / "store"
-    run = create_run(tiny_config(store), "flow")
+    run = create_run(tiny_config(store, REPORT), "flow")  # test_flow reads its report
     campaign(str(store), run.run_id)
     return run
 

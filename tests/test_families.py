@@ -12,7 +12,7 @@ from pathlib import Path
 import diffusers
 import pytest
 import torch
-from conftest import TINY_TWINS, trained_policy
+from conftest import NO_REPORT, TINY_TWINS, trained_policy
 from typer.testing import CliRunner
 
 from solrl.cli import app
@@ -120,7 +120,7 @@ def test_two_iteration_campaign_through_the_prefect_flow_with_nvfp4_explore(tmp_
     from solrl.storage.runs import create_run, list_runs
     from solrl.storage.stage import read_manifest, stage_dir
 
-    cfg = _config(family, tmp_path / "store")
+    cfg = _config(family, tmp_path / "store", NO_REPORT)
     assert cfg.explore.precision == "nvfp4_emulated" and cfg.campaign.iterations == 2
     run = create_run(cfg, f"{family}-flow")
     campaign(str(run.run_dir.parent), run.run_id)
@@ -303,7 +303,9 @@ def test_tiny_wan_with_two_shards_equals_the_one_shard_run_and_its_videos_are_dr
 
     run_dirs = {}
     for shards in (1, 2):
-        run = create_run(_config("tiny-wan", tmp_path / f"store{shards}", f"campaign.shards={shards}"), "wan")
+        run = create_run(
+            _config("tiny-wan", tmp_path / f"store{shards}", f"campaign.shards={shards}", NO_REPORT), "wan"
+        )
         campaign(str(run.run_dir.parent), run.run_id)
         run_dirs[shards] = run.run_dir
     assert_same_outputs(run_dirs[2], run_dirs[1])

@@ -309,7 +309,7 @@ def test_a_campaign_through_the_cli_on_s3_keeps_the_credentials_out_of_everythin
     """``solrl run`` with the store on S3, through Prefect and MLflow as a user runs it; then the store, the logs,
     this machine's mirror and MLflow database, and Prefect's database (flow-run parameters) hold no credential."""
     import boto3
-    from conftest import TINY
+    from conftest import REPORT, TINY
 
     env = _cli_env(s3_server, tmp_path)
     bucket = f"solrl-{os.urandom(6).hex()}"
@@ -319,7 +319,7 @@ def test_a_campaign_through_the_cli_on_s3_keeps_the_credentials_out_of_everythin
     root = f"s3://{bucket}/runs"
     # One iteration: every kind of place a credential could land (the stages, the report, MLflow, Prefect) is
     # written by then.
-    one = [*TINY, "campaign.iterations=1", f"storage.root={root}"]
+    one = [*TINY, REPORT, "campaign.iterations=1", f"storage.root={root}"]
     sets = [item for s in one for item in ("--set", s)]
     ran = _solrl("run", "tiny-digits", *sets, "--run-id", "creds", env=env)
     assert ran.returncode == 0, ran.stderr[-3000:]

@@ -166,17 +166,21 @@ def test_verify_names_a_flipped_byte_and_redo_makes_resume_recompute_it(tmp_path
     assert result.exit_code == 0 and "every file of its 4 committed stages matches" in result.output
 
 
-def test_a_stage_redone_after_its_pool_was_pruned_redoes_the_pool_first_and_a_complete_run_is_pruned(tmp_path):
+@pytest.mark.parametrize("report", [True, False])
+def test_a_stage_redone_after_its_pool_was_pruned_redoes_the_pool_first_and_a_complete_run_is_pruned(
+    tmp_path, report: bool
+):
     """A breaker's finding: under the default storage.pool=latents, `verify --redo` of score_explore (or a damaged
     rewards file found on resume) in an iteration whose checkpoint is committed left a run that no resume could
     finish (score_explore read the pruned images: AttributeError). And a campaign killed after its last stage,
-    before its final prune, was reported complete and never pruned."""
+    before its final prune, was reported complete and never pruned. With ``tracking.report: false`` the MLflow
+    run's end, not the report, tells that the campaign ended."""
     from solrl.stages.context import StageContext
     from solrl.stages.pipeline import campaign_plan, first_pending, restore_pruned_inputs, run_stage
     from solrl.storage.runs import create_run
     from solrl.storage.stage import uncommit
 
-    cfg = tiny_config(tmp_path, "campaign.iterations=1", "fidelity.audit_every=0")
+    cfg = tiny_config(tmp_path, "campaign.iterations=1", "fidelity.audit_every=0", f"tracking.report={report}")
     run = create_run(cfg, "pruned")
     for iteration, names in campaign_plan(cfg):  # the stages without the flow: nothing pruned yet
         for name in names:
@@ -186,9 +190,10 @@ def test_a_stage_redone_after_its_pool_was_pruned_redoes_the_pool_first_and_a_co
     result = runner.invoke(app, ["resume", "pruned", "--store", str(tmp_path)])
     # No report yet (a breaker's finding: a campaign killed after its last commit never got its report, nor its
     # MLflow run's end): the campaign runs once more, every stage skipped, and prunes, reports and finishes.
-    assert result.exit_code == 0 and "resuming run pruned at its report (every stage committed)" in result.output
+    end = "its report" if report else "its end"
+    assert result.exit_code == 0 and f"resuming run pruned at {end} (every stage committed)" in result.output
     assert read_manifest(run.run_dir, 1, "explore").pruned == {"candidates.zarr/images": "storage.pool=latents"}
-    assert (run.run_dir / "report" / "report.html").is_file()
+    assert (run.run_dir / "report" / "report.html").is_file() == report
     result = runner.invoke(app, ["resume", "pruned", "--store", str(tmp_path)])
     assert result.exit_code == 0 and "is complete" in result.output and "MiB of pool data" not in result.output
 

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import TINY, free_port, tiny_config, wait_healthy
+from conftest import REPORT, TINY, free_port, tiny_config, wait_healthy
 from fault_injection import FAULT_ENV, fault_env
 
 from solrl.stages.pipeline import campaign_plan
@@ -28,7 +28,7 @@ from solrl.storage.stage import read_manifest
 pytestmark = pytest.mark.slow
 
 #: The tiny run's overrides, as the UI form's ``overrides`` list (iterations come as their own parameter).
-OVERRIDES = [o for o in TINY if not o.startswith("campaign.iterations")] + ["campaign.stage_retries=0"]
+OVERRIDES = [o for o in TINY if not o.startswith("campaign.iterations")] + ["campaign.stage_retries=0", REPORT]
 
 
 @pytest.fixture(scope="module")
