@@ -137,13 +137,15 @@ def _stoppable(resume: list[str]) -> Iterator[None]:
         _stopped(code, f"continue with `{_command('resume', resume[0], '--store', resume[1])}`" if created else "")
 
 
+#: The exit status of the stop that ended this command (``_stopped``), for ``main``; None when none did.
+_stop_code: int | None = None
+
+
 def _stopped(code: int, hint: str) -> None:
     """End a command that a stop signal interrupted: one line (``terminated (SIGTERM)`` for 143, ``interrupted``
-    for 130, then ``hint`` when given), exit status ``code``, and an exit that takes at most
-    ``solrl.processes.EXIT_GRACE_S`` whatever a library's exit handler waits on."""
-    from solrl.processes import exit_within
-
-    exit_within(code)
+    for 130, then ``hint`` when given) and exit status ``code``; ``main`` then bounds the process's exit."""
+    global _stop_code
+    _stop_code = code
     _fail(("terminated (SIGTERM)" if code == 143 else "interrupted") + (f"; {hint}" if hint else ""), code)
 
 
@@ -1424,8 +1426,18 @@ def pretrain_tiny_digits(
     pretrain(out, steps=steps, seed=seed)
 
 
-def main() -> None:  # pragma: no cover
-    app()
+def main() -> None:  # pragma: no cover - the console script's process
+    """The ``solrl`` console script: the typer app, and, where a stop signal ended the command, an exit that takes at
+    most ``solrl.processes.EXIT_GRACE_S`` whatever a library's exit handler waits on (``exit_within``). Only here,
+    in a process that is about to end: an in-process caller of ``app`` (a test's ``CliRunner``) is never ended."""
+    try:
+        app()
+    except SystemExit:
+        if _stop_code is not None:
+            from solrl.processes import exit_within
+
+            exit_within(_stop_code)
+        raise
 
 
 if __name__ == "__main__":  # pragma: no cover
