@@ -28,7 +28,8 @@ from solrl.storage.stage import read_manifest
 pytestmark = pytest.mark.slow
 
 #: The tiny run's overrides, as the UI form's ``overrides`` list (iterations come as their own parameter).
-OVERRIDES = [o for o in TINY if not o.startswith("campaign.iterations")] + ["campaign.stage_retries=0", REPORT]
+OVERRIDES = [o for o in TINY if not o.startswith(("campaign.iterations", "tracking.report"))]
+OVERRIDES += ["campaign.stage_retries=0", REPORT]
 
 
 @pytest.fixture(scope="module")

@@ -44,7 +44,8 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 #: The tiny run's overrides as the UI form's ``overrides`` list (iterations come as their own parameter).
-OVERRIDES = [o for o in TINY if not o.startswith("campaign.iterations")] + ["campaign.stage_retries=0", REPORT]
+OVERRIDES = [o for o in TINY if not o.startswith(("campaign.iterations", "tracking.report"))]
+OVERRIDES += ["campaign.stage_retries=0", REPORT]
 #: The automation's window in the tests: twice the workers' heartbeat (30 s, Prefect's least), so a flow-run process
 #: starved of the two cores for half a minute is not taken for dead.
 CRASH_WITHIN = 60
