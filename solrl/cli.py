@@ -24,6 +24,8 @@ from solrl.weights import check_published_weights
 if TYPE_CHECKING:
     import pandas as pd  # imported where a command needs it: not at start-up
 
+    from solrl.storage.runs import Run
+
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
@@ -731,7 +733,7 @@ def _output_target(option: str, given: str | None, suffixes: tuple[str, ...], de
     return path, as_folder
 
 
-def _ended(run_) -> bool:
+def _ended(run_: Run) -> bool:
     """Whether the campaign's end ran: its HTML report is in the run store (``_reported``) or, where
     ``tracking.report`` is false, its MLflow run is FINISHED (``False`` where MLflow cannot tell)."""
     if run_.config.tracking.report:
