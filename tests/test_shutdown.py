@@ -119,6 +119,28 @@ def test_a_stopped_process_whose_exit_handlers_hang_still_exits_with_its_code(wa
     assert where in done.stderr, done.stderr
 
 
+def test_the_console_script_bounds_its_exit_only_after_a_stop():
+    """``solrl.cli.main`` (the ``solrl`` script) arms ``exit_within`` where ``_stopped`` ended the command: a hanging
+    ``atexit`` handler then costs ``EXIT_GRACE_S``, not forever. An in-process ``app`` (a test's CliRunner) never
+    arms it: the first version armed it inside the command, and a test's Ctrl-C ended its pytest worker."""
+    code = (
+        "import atexit, sys, time\nimport typer\nimport solrl.cli as cli\n"
+        "def flush_to_server():\n    time.sleep(600)\natexit.register(flush_to_server)\n"
+        "def app():\n    try:\n        cli._stopped(130, 'continue with `solrl resume r`')\n"
+        "    except typer.Exit as stop:\n        sys.exit(stop.exit_code)\n"
+        "cli.app = app\ncli.main()\n"
+    )
+    from solrl.processes import EXIT_GRACE_S
+
+    started = time.time()
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 130, done.stderr
+    assert EXIT_GRACE_S <= time.time() - started < EXIT_GRACE_S + 30
+    assert "solrl: error: interrupted; continue with `solrl resume r`" in done.stderr
+    assert f"solrl: exiting after {EXIT_GRACE_S:g} s of exit handlers (main thread at " in done.stderr
+    assert "in flush_to_server" in done.stderr
+
+
 def test_sigterm_exits_143_and_stops_the_temporary_prefect_server(tmp_path: Path):
     store = tmp_path / "store"
     proc = start_run(store, "term")
