@@ -139,15 +139,13 @@ def _stoppable(resume: list[str]) -> Iterator[None]:
         _stopped(code, f"continue with `{_command('resume', resume[0], '--store', resume[1])}`" if created else "")
 
 
-#: The exit status of the stop that ended this command (``_stopped``), for ``main``; None when none did.
-_stop_code: int | None = None
+#: The exit statuses of a command a stop signal ended (``_stopped``): Ctrl-C, SIGTERM.
+STOP_EXITS = (130, 143)
 
 
 def _stopped(code: int, hint: str) -> None:
     """End a command that a stop signal interrupted: one line (``terminated (SIGTERM)`` for 143, ``interrupted``
     for 130, then ``hint`` when given) and exit status ``code``; ``main`` then bounds the process's exit."""
-    global _stop_code
-    _stop_code = code
     _fail(("terminated (SIGTERM)" if code == 143 else "interrupted") + (f"; {hint}" if hint else ""), code)
 
 
@@ -1434,11 +1432,11 @@ def main() -> None:  # pragma: no cover - the console script's process
     in a process that is about to end: an in-process caller of ``app`` (a test's ``CliRunner``) is never ended."""
     try:
         app()
-    except SystemExit:
-        if _stop_code is not None:
+    except SystemExit as exit_:
+        if exit_.code in STOP_EXITS:
             from solrl.processes import exit_within
 
-            exit_within(_stop_code)
+            exit_within(exit_.code)
         raise
 
 
