@@ -64,11 +64,13 @@ def _worth_retrying(task, task_run, state) -> bool:
     (``solrl.processes.disk_full``) is not run again 2 s later on a disk as full (an update of hours, for
     nothing): the campaign fails at once, and ``solrl run`` says where space is short. Nor is one that failed on
     what its inputs determine: a reward's unusable scores (``RewardError``), or what ``repeated_on_resume`` names
-    (a NaN loss or gradient norm, NaN samples, a committed input whose bytes changed)."""
+    (a NaN loss or gradient norm, NaN samples, a committed input whose bytes changed), nor one whose process lost
+    the run's lease (``LeaseLost``: another process runs it now)."""
     from solrl.stages.rewards.base import RewardError
+    from solrl.storage.lease import LeaseLost
 
     error = state.data
-    if isinstance(error, RewardError):
+    if isinstance(error, RewardError | LeaseLost):
         return False
     return not (isinstance(error, BaseException) and (disk_full(error) or repeated_on_resume(error)) is not None)
 
@@ -327,7 +329,7 @@ def run_campaign(store: str, run_id: str) -> dict[str, float]:
         logger.warning(warning)
     plan = campaign_plan(run.config)
     (_, start), *iterations = plan
-    with run_lock(run.run_dir), tags(cockpit.run_tag(run_id)), shard_task_runner(run.config) as runner:
+    with run_lock(run.run_dir, join=True), tags(cockpit.run_tag(run_id)), shard_task_runner(run.config) as runner:
         cockpit.tag_flow_run([cockpit.run_tag(run_id), f"{cockpit.PRESET_TAG}{run.config.name}"], logger)
         cockpit.clear_dead_attempt(run_id, logger)
         for iteration, stage in restore_pruned_inputs(StageContext.of(run, 0)):

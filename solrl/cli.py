@@ -181,8 +181,15 @@ def _launch(store: str, run_id: str) -> None:
         if not isinstance(exc, Exception):
             raise
         from solrl.processes import disk_full, repeated_on_resume
+        from solrl.storage.lease import LeaseLost
         from solrl.storage.stage import StageChanged
 
+        if isinstance(exc, LeaseLost):  # not retried (flows.sol_rl): the process that took the run over goes on
+            _fail(
+                f"{exc.__class__.__name__}: {exc}\n  stages committed before are kept; the process that took the run "
+                f"over continues it (`{_command('ls', '--store', store)}` shows it running)",
+                1,
+            )
         if (full := disk_full(exc)) is not None:  # not retried (flows.sol_rl): say where space is short
             _fail(
                 f"a disk is full: {full.__class__.__name__}: {full}\n  free space: {_free_space(store)}\n"
@@ -193,9 +200,11 @@ def _launch(store: str, run_id: str) -> None:
             if isinstance(same, StageChanged):
                 how = f"`solrl resume` alone would read the changed file again: `verify --redo` first, then {resume}"
             else:
+                verify = _command("verify", run_id, "--store", store)
                 how = (
                     "`solrl resume` would compute the same again (a run keeps the config, weights and seeds it began "
-                    "with): start a new run with the setting changed, `solrl run CONFIG --set section.key=value`"
+                    f"with; `{verify}` checks that its stored files are intact): start a new run with the setting "
+                    "changed, `solrl run CONFIG --set section.key=value`"
                 )
                 if last := _last_checkpoint(store, run_id):
                     export = _command("export", run_id, "--store", store, "--out", "FOLDER")
@@ -466,7 +475,14 @@ def run(
             f"explore {cfg.explore.precision} "
             f"pool {cfg.explore.pool_size} -> keep {cfg.select.k}, store {created.store}\n{memory}"
         )
-        _launch(created.store, created.run_id)
+        from solrl.storage.runs import run_lock
+
+        with contextlib.ExitStack() as held:
+            try:  # taken before Prefect starts, as `resume` does, and held to the end; the flow finds it held
+                held.enter_context(run_lock(created.run_dir))
+            except ConfigError as exc:
+                _fail(str(exc))
+            _launch(created.store, created.run_id)
 
 
 @app.command()
@@ -580,33 +596,35 @@ def resume(
 ) -> None:
     """Continue a run: committed stages are skipped, the first stage without a manifest runs next."""
     _quiet_environment()  # before the checks (HF_HUB_OFFLINE)
-    with _stoppable([run_id, store]):
+    with _stoppable([run_id, store]), contextlib.ExitStack() as held:
         try:
             from solrl.storage.runs import open_run, run_lock, set_shards
 
             run_ = open_run(store, run_id)
             check_published_weights(run_.config.model)  # before torch is imported
             memory = _check_ready(run_.config, force, run_.prompts_sha256, run_.weights)
-            with run_lock(run_.run_dir):  # refuse now, not after Prefect has started, when another process runs it
-                if shards is not None:
-                    set_shards(store, run_id, shards)
-                    run_ = open_run(store, run_id)
-                    from solrl.stages.pipeline import shard_warnings
+            # Refused now, not after Prefect has started, when another process runs it; held until the campaign
+            # ends (the flow's own run_lock finds it held), so no other resume starts in between.
+            held.enter_context(run_lock(run_.run_dir))
+            if shards is not None:
+                set_shards(store, run_id, shards)
+                run_ = open_run(store, run_id)
+                from solrl.stages.pipeline import shard_warnings
 
-                    for warning in shard_warnings(run_.config):
-                        typer.echo(f"solrl: warning: {warning}", err=True)
-                if past_guard:
-                    from solrl.stages.guards import pass_guard_stop
+                for warning in shard_warnings(run_.config):
+                    typer.echo(f"solrl: warning: {warning}", err=True)
+            if past_guard:
+                from solrl.stages.guards import pass_guard_stop
 
-                    try:
-                        stop = pass_guard_stop(run_)
-                    except ConfigError as exc:
-                        _fail(f"--past-guard: {exc}")
-                    run_ = open_run(store, run_id)
-                    typer.echo(
-                        f"passing the guard stop at iteration {stop.iteration} ({stop.measure}), recorded in run.json; "
-                        "a new streak of alarms after it stops the run again"
-                    )
+                try:
+                    stop = pass_guard_stop(run_)
+                except ConfigError as exc:
+                    _fail(f"--past-guard: {exc}")
+                run_ = open_run(store, run_id)
+                typer.echo(
+                    f"passing the guard stop at iteration {stop.iteration} ({stop.measure}), recorded in run.json; "
+                    "a new streak of alarms after it stops the run again"
+                )
         except ConfigError as exc:
             _fail(str(exc))
         from solrl.stages.context import StageContext
@@ -619,11 +637,8 @@ def resume(
         if pending is None and not unreported:
             from solrl.storage.retention import prune_run
 
-            try:  # a campaign killed after its last stage and before its final prune: the prune is all it lacks
-                with run_lock(run_.run_dir):
-                    freed = prune_run(run_.config, run_.run_dir)
-            except ConfigError as exc:
-                _fail(str(exc))
+            # a campaign killed after its last stage and before its final prune: the prune is all it lacks
+            freed = prune_run(run_.config, run_.run_dir)
             pruned = f" {freed / 2**20:.1f} MiB of pool data pruned (storage.pool, keep_pools)." if freed else ""
             typer.echo(
                 f"run {run_id} is complete ({run_.config.campaign.iterations} "

@@ -46,6 +46,7 @@ from solrl.storage.artifacts import (
     RegeneratedRewards,
     Samples,
 )
+from solrl.storage.mirror import locate
 from solrl.storage.stage import (
     StageManifest,
     StageOutput,
@@ -293,7 +294,12 @@ def run_shard(ctx: StageContext, name: str, shard: Shard) -> tuple[StageManifest
 
     Returns:
         (manifest, skipped): the shard's manifest, or the stage's when the stage is committed.
+
+    Raises:
+        LeaseLost: this process held the run's lease and lost it (``RunPlace.check_lease``): it neither cleans,
+            computes nor skips on.
     """
+    locate(ctx.run_dir).check_lease()
     stage = STAGES[name]
     key = stage_key(ctx, stage)
     committed = read_manifest(ctx.run_dir, ctx.iteration, name)
@@ -357,8 +363,11 @@ def run_stage(ctx: StageContext, name: str) -> tuple[StageManifest, bool]:
         (manifest, skipped).
 
     Raises:
-        KeyError: unknown stage. StageNotCommitted: an input's stage has no valid manifest.
+        KeyError: unknown stage. StageNotCommitted: an input's stage has no valid manifest. LeaseLost: this process
+            held the run's lease and lost it (``RunPlace.check_lease``): it neither cleans another's temporary
+            folders, computes nor skips on.
     """
+    locate(ctx.run_dir).check_lease()
     stage = STAGES[name]
     clean_stale(ctx, name)
     shards, key = stage_shards(ctx, stage), stage_key(ctx, stage)

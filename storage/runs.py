@@ -356,17 +356,29 @@ def run_holder(run_dir: Path) -> str | None:
 
 
 @contextmanager
-def run_lock(run_dir: Path, ttl: float = DEFAULT_TTL, *, then: tuple[object, ...] = ("resume",)) -> Iterator[None]:
+def run_lock(
+    run_dir: Path, ttl: float = DEFAULT_TTL, *, then: tuple[object, ...] = ("resume",), join: bool = False
+) -> Iterator[None]:
     """Hold the run's lease (``<run_dir>/_LEASE.json``, ``solrl.storage.lease``) for the ``with`` block: renewed
     in the background, checked before every stage commit of this process, free at once when its holder dies on
     this host and after ``ttl`` seconds when it dies elsewhere. ``then``: the command a refusal suggests once the
     holder is gone (``solrl <then[0]> <run id> --store <store> <then[1:]>``), the one that was refused.
 
+    ``join``: where this process holds the run's lease already (the command line takes it before Prefect starts and
+    the campaign flow joins it), the block uses that lease and its holder releases it; without ``join`` a second
+    ``run_lock`` of the same run in one process is refused like another process's.
+
     Raises:
         ConfigError: another live process holds the run; the lease cannot be written (a read-only or full store).
+        LeaseLost: (when the block ends without an error) the lease ran out while this process stalled and another
+            process took the run over: what this process did after that must not read as a finished campaign.
     """
     run_dir = Path(run_dir)
     place = locate(run_dir)
+    if join and place.lease is not None:
+        yield
+        place.lease.check()
+        return
     store = place.store
     lease = _run_lease(place, ttl)
     try:
@@ -385,6 +397,7 @@ def run_lock(run_dir: Path, ttl: float = DEFAULT_TTL, *, then: tuple[object, ...
     place.lease = lease
     try:
         yield
+        lease.check()
     finally:
         place.lease = None
         lease.release()

@@ -642,6 +642,7 @@ def test_a_failure_a_resume_would_repeat_names_what_gets_past_it(tmp_path: Path,
     from solrl.flows.sol_rl import _worth_retrying
     from solrl.stages.sampling.rollout import NonFiniteSamples
     from solrl.storage.artifacts import Checkpoint
+    from solrl.storage.lease import LeaseLost
     from solrl.storage.runs import create_run
     from solrl.storage.stage import StageChanged, StageOutput, commit
 
@@ -676,6 +677,7 @@ def test_a_failure_a_resume_would_repeat_names_what_gets_past_it(tmp_path: Path,
         (NonFiniteSamples("explore: 1 of 4 samples came out NaN"), "NonFiniteSamples: explore: 1 of 4"),
         (StageChanged("iteration 1 stage 'checkpoint': policy.safetensors changed; `solrl verify r ...`"), "Stage"),
         (RuntimeError("CUDA error: an illegal memory access"), "RuntimeError: CUDA error"),
+        (LeaseLost("s/r/_LEASE.json was taken by pid 7 on h after this process's lease expired"), "LeaseLost: s/r"),
     ):
         err = launch(error, "/s")
         assert err.startswith(f"solrl: error: {said}"), err
@@ -687,8 +689,12 @@ def test_a_failure_a_resume_would_repeat_names_what_gets_past_it(tmp_path: Path,
             assert not retried
         elif "CUDA" in said:
             assert err.endswith(f"committed stages are kept; {resume}\n") and retried
+        elif isinstance(error, LeaseLost):  # another process goes on with the run: no resume to suggest
+            assert "the process that took the run over continues it (`solrl ls --store /s`" in err, err
+            assert resume not in err and not retried
         else:
             assert "but `solrl resume` would compute the same again" in err and "`solrl run CONFIG --set " in err
+            assert "`solrl verify r --store /s` checks that its stored files are intact" in err
             assert "takes its last checkpoint" not in err and resume not in err  # no run r in /s: no checkpoint
             assert not retried
 

@@ -207,6 +207,74 @@ def test_a_full_disk_fails_the_stage_at_once_says_where_space_is_short_and_the_r
     _committed(store / "full", 1)
 
 
+def test_a_process_that_loses_the_run_lease_stops_at_the_next_stage_unretried_and_does_not_say_finished(
+    tmp_path, monkeypatch
+):
+    """A resume that stalled past its lease's term while another process took the run over (found by the breaker:
+    ``kill -STOP`` it, resume elsewhere, ``kill -CONT``): its next stage failed with ``LeaseLost``, Prefect retried
+    it, the retry skipped what the other process had committed, and the campaign ended "finished", exit 0. Now the
+    next stage refuses before it cleans, computes or skips, is not retried, and the command exits 1 naming the
+    takeover. Also: ``resume`` holds the lease from its checks on (the flow joins it), so no second resume starts
+    Prefect in between."""
+    import json
+
+    from typer.testing import CliRunner
+
+    import solrl.cli as cli
+    import solrl.flows.sol_rl as sol_rl
+    from solrl.cli import app
+    from solrl.storage.lease import LEASE, LeaseLost
+    from solrl.storage.mirror import locate
+    from solrl.storage.runs import run_holder
+    from solrl.storage.stage import commit_hooks
+
+    store = tmp_path / "store"
+    run = create_run(tiny_config(store, "campaign.iterations=1"), "lost")
+    holders: list[str | None] = []
+
+    def take_over(iteration: int, stage: str, point: str) -> None:  # another host's resume, after a stall here
+        if (iteration, stage, point) != (0, "evaluate", "committed"):
+            return
+        holders.append(run_holder(run.run_dir))
+        lease = locate(run.run_dir).lease
+        record = json.loads((run.run_dir / LEASE).read_text())
+        record["holder"] = {**record["holder"], "host": "elsewhere", "pid": 4321, "token": "successor"}
+        (run.run_dir / LEASE).write_text(json.dumps(record))
+        with contextlib.suppress(LeaseLost):
+            lease.renew()  # what the renewal thread finds at its next turn
+
+    entered: list[tuple[int, str]] = []
+    run_stage = sol_rl.run_stage
+
+    def counted(ctx, name):
+        entered.append((ctx.iteration, name))
+        return run_stage(ctx, name)
+
+    monkeypatch.setattr(sol_rl, "run_stage", counted)
+    start_prefect = cli._start_prefect_early
+
+    def starting() -> None:
+        holders.append(run_holder(run.run_dir))
+        start_prefect()
+
+    monkeypatch.setattr(cli, "_start_prefect_early", starting)
+    commit_hooks.append(take_over)
+    try:
+        result = CliRunner().invoke(app, ["resume", "lost", "--store", str(store)])
+    finally:
+        commit_hooks.remove(take_over)
+    assert len(holders) == 2 and None not in holders  # held before Prefect started, and while the campaign ran
+    assert result.exit_code == 1, result.output
+    assert "finished" not in result.stdout
+    error = [ln for ln in result.stderr.splitlines() if ln.startswith("solrl: error: ")][-1]
+    assert error.startswith("solrl: error: LeaseLost: ") and "taken by pid 4321 on elsewhere" in error, error
+    assert "the process that took the run over continues it" in result.stderr
+    assert entered == [(0, "evaluate"), (1, "explore")]  # explore refused once, not retried (stage_retries=1)
+    assert read_manifest(run.run_dir, 1, "explore") is None
+    assert json.loads((run.run_dir / LEASE).read_text())["holder"]["token"] == "successor"  # left to its holder
+    assert locate(run.run_dir).lease is None
+
+
 def test_a_full_disk_is_told_from_other_errors_through_the_exception_chain():
     import errno
     import sqlite3

@@ -465,8 +465,8 @@ def test_a_lease_holder_that_exited_and_was_not_reaped_yet_is_not_alive():
 
 def test_a_process_whose_run_lease_was_taken_commits_nothing(tmp_path: Path):
     """The run lock is a lease (``solrl.storage.lease``): when another holder takes it over (this process
-    stalled past its term), the next renewal notices, and the stage commit refuses before replacing anything. The
-    lease is the run's (its ``RunPlace``): another run of the same process commits."""
+    stalled past its term), the next renewal notices, the stage commit refuses before replacing anything, and so
+    does the lock's end. The lease is the run's (its ``RunPlace``): another run of the same process commits."""
     import time
 
     from solrl.storage.lease import LEASE, LeaseLost
@@ -477,7 +477,8 @@ def test_a_process_whose_run_lease_was_taken_commits_nothing(tmp_path: Path):
     run_dir = tmp_path / "r"
     run_dir.mkdir()
     kept = commit(run_dir, "r", 1, "explore", "k", _write_two_files)
-    with run_lock(run_dir, ttl=0.6):
+    lock_ended = pytest.raises(LeaseLost, match="was taken by")  # a block that lost it does not end as if it held it
+    with lock_ended, run_lock(run_dir, ttl=0.6):
         store = Store.open(tmp_path)
         record = json.loads(store.read_bytes(f"r/{LEASE}"))
         record["holder"] = {**record["holder"], "host": "elsewhere", "token": "successor"}
