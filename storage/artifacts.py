@@ -33,6 +33,7 @@ from solrl.storage.mirror import locate
 from solrl.storage.stage import (
     FileEntry,
     StageManifest,
+    changed_file,
     commit_point,
     fetch_file,
     prune,
@@ -58,8 +59,9 @@ class Artifact:
     first_iteration: ClassVar[int] = 0
     #: Whether ``load`` hashes the artifact's file against its manifest before reading it: the small tables (a
     #: few kB, so a changed byte never reaches a ranking) and the checkpoints (the LoRA adapters and optimizer
-    #: state, so a changed byte never trains on; a second or so at published sizes); pools and samples are
-    #: checked by size, their checksums re-hashed on demand (``solrl verify``).
+    #: state, so a changed byte never trains on; a second or so at published sizes). Pools and samples are Zarr
+    #: stores whose files are hashed as they are read, but their images, checked by size only
+    #: (``ZarrArtifact.unhashed``); ``solrl verify`` re-hashes everything on demand.
     verify_on_read: ClassVar[bool] = False
 
     @classmethod
@@ -195,6 +197,11 @@ class ZarrArtifact(Artifact):
     required: ClassVar[tuple[str, ...]]
     #: The arrays ``read`` leaves in the store until indexed (``LazyArray``); the only ones ``prune`` removes.
     lazy: ClassVar[tuple[str, ...]] = ("images", "latents", "trajectory")
+    #: The arrays whose files ``load`` does not hash as Zarr reads them (``CheckingStore``), only checks by size:
+    #: the images, the bulk of a pool (about 14 GiB a published iteration, some 14 s of sha256 on a core), which
+    #: rewards score. Every other file (the metadata, seeds, indices, and the latents, trajectories and log-probs
+    #: that the update trains on) is hashed when read, so a changed byte never trains on.
+    unhashed: ClassVar[tuple[str, ...]] = ("images",)
     attrs: dict[str, Any] = field(default_factory=dict)
     #: Arrays removed since the commit (``solrl.storage.retention``), name -> why; they read as None.
     pruned: dict[str, str] = field(default_factory=dict)
@@ -208,18 +215,26 @@ class ZarrArtifact(Artifact):
             return None
         chunks = f"{cls.filename}/"
 
-        def is_chunk(rel: str) -> bool:  # a mirrored run's chunk files come when indexed (FetchingStore)
+        def is_chunk(rel: str) -> bool:  # a mirrored run's chunk files come when indexed (CheckingStore)
             return rel.startswith(chunks) and "/c/" in rel
 
         directory, manifest = require(run_dir, source, cls.stage, defer=is_chunk)
-        if not locate(run_dir).mirrored:
-            artifact = cls.read(directory / cls.filename)
-        else:
+        unhashed = tuple(f"{name}/" for name in cls.unhashed)
+        sha256 = {
+            key: entry.sha256
+            for rel, entry in manifest.present().items()
+            if (key := rel.removeprefix(chunks)) != rel and not key.startswith(unhashed)
+        }
 
-            def fetch(key: str) -> None:
-                fetch_file(run_dir, source, cls.stage, manifest, f"{cls.filename}/{key}")
+        def fetch(key: str) -> None:
+            fetch_file(run_dir, source, cls.stage, manifest, f"{cls.filename}/{key}")
 
-            artifact = cls.read(directory / cls.filename, FetchingStore(str(directory / cls.filename), fetch))
+        def changed(key: str) -> Exception:
+            return changed_file(run_dir, source, cls.stage, f"{cls.filename}/{key}")
+
+        mirrored = locate(run_dir).mirrored
+        store = CheckingStore(str(directory / cls.filename), sha256, changed, fetch if mirrored else None)
+        artifact = cls.read(directory / cls.filename, store)
         for name in cls.dims:
             why = manifest.pruned.get(f"{cls.filename}/{name}")
             if why is not None:
@@ -369,19 +384,39 @@ class HashingStore(zarr.storage.LocalStore):
         await super()._set(key, value, exclusive=exclusive)
 
 
-class FetchingStore(zarr.storage.LocalStore):
-    """zarr-python's local store over a mirror folder that fetches a missing file when Zarr asks for it
-    (``fetch(key)``: ``solrl.storage.stage.fetch_file``, checked against its sha256), so a shard on another
-    machine downloads only the chunks of the prompts it reads."""
+class CheckingStore(zarr.storage.LocalStore):
+    """zarr-python's local store, read-only, over a committed Zarr artifact: every file Zarr reads whole whose key
+    ``sha256`` names is hashed against that checksum (the stage's manifest's) before Zarr decodes it, so a file
+    changed in place at the same size is an error, not data; hashing what is read anyway costs no extra read.
+    Over a mirror folder (``fetch`` given: ``solrl.storage.stage.fetch_file``, checked against its sha256) a
+    missing file is fetched when Zarr asks for it, so a shard on another machine downloads only the chunks of the
+    prompts it reads.
 
-    def __init__(self, root: str, fetch: Callable[[str], None]) -> None:
+    Raises:
+        StageChanged: (from ``get``, through Zarr's read) ``changed(key)``: a file's bytes differ from its sha256.
+    """
+
+    def __init__(
+        self,
+        root: str,
+        sha256: dict[str, str],
+        changed: Callable[[str], Exception],
+        fetch: Callable[[str], None] | None = None,
+    ) -> None:
         super().__init__(root, read_only=True)
-        self.fetch = fetch
+        self.sha256, self.changed, self.fetch = sha256, changed, fetch
 
     async def get(self, key: str, prototype: Any = None, byte_range: Any = None) -> Any:
-        if not (self.root / key).is_file():
+        if self.fetch is not None and not (self.root / key).is_file():
             await asyncio.to_thread(self.fetch, key)
-        return await super().get(key, prototype, byte_range)
+        value = await super().get(key, prototype, byte_range)
+        expected = self.sha256.get(key)
+        if value is not None and byte_range is None and expected is not None:
+            data = memoryview(value.as_buffer_like()).cast("B")
+            entry = await asyncio.to_thread(sha256_bytes, data)  # hashlib lets go of the GIL: chunks hash in parallel
+            if entry.sha256 != expected:
+                raise self.changed(key)
+        return value
 
 
 class ZarrWriter:

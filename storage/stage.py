@@ -492,12 +492,18 @@ def require(
         for rel, entry in manifest.present().items():
             inside = verify == "." or rel == verify or rel.startswith(f"{verify}/")
             if inside and file_sha256(folder / rel) != entry.sha256:
-                redo = shlex.join(["solrl", "verify", run_dir.name, "--store", locate(run_dir).store.address, "--redo"])
-                raise StageChanged(
-                    f"iteration {iteration} stage {stage!r}: {rel} changed since it was committed (sha256); "
-                    f"`{redo}` uncommits it and every stage that read it"
-                )
+                raise changed_file(run_dir, iteration, stage, rel)
     return folder, manifest
+
+
+def changed_file(run_dir: Path, iteration: int, stage: str, rel: str) -> StageChanged:
+    """The error for file ``rel`` of a committed stage whose bytes no longer match its manifest's sha256, with the
+    command that uncommits it (``solrl verify --redo``)."""
+    redo = shlex.join(["solrl", "verify", run_dir.name, "--store", locate(run_dir).store.address, "--redo"])
+    return StageChanged(
+        f"iteration {iteration} stage {stage!r}: {rel} changed since it was committed (sha256); "
+        f"`{redo}` uncommits it and every stage that read it"
+    )
 
 
 def remove_dir(path: Path) -> None:
