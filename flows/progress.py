@@ -123,6 +123,46 @@ _current: CampaignProgress | None = None
 _live = False
 
 
+#: What Prefect's engine logs at INFO for every flow and task run that the campaign's own lines already carry
+#: (each stage's "committed in" line, each iteration's summary): outside a terminal they doubled a run's log.
+ENGINE_ROUTINE = ("Finished in state Completed()", "Beginning flow run", "Beginning subflow run")
+
+
+class EngineRoutineFilter(logging.Filter):
+    """Drops Prefect's ``ENGINE_ROUTINE`` lines, and without ``links`` its ``View at <url>`` lines (the temporary
+    server's pages are gone once the run ends), from the console; errors, warnings and solrl's lines pass."""
+
+    def __init__(self, links: bool) -> None:
+        super().__init__()
+        self.links = links
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.INFO or not record.name.startswith("prefect"):
+            return True
+        message = record.getMessage()
+        return not (message.startswith(ENGINE_ROUTINE) or (not self.links and message.startswith("View at ")))
+
+
+@contextmanager
+def plain_console(links: bool) -> Iterator[None]:
+    """Within this block Prefect's console handlers (the root logger's, as Prefect's logging config sets them up)
+    leave out the engine's routine lines (``EngineRoutineFilter``); the Prefect UI still gets every line."""
+    from prefect.logging.configuration import PROCESS_LOGGING_CONFIG, setup_logging
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    if not PROCESS_LOGGING_CONFIG:
+        setup_logging()
+    routine = EngineRoutineFilter(links)
+    handlers = [h for h in logging.getLogger().handlers if isinstance(h, PrefectConsoleHandler)]
+    for handler in handlers:
+        handler.addFilter(routine)
+    try:
+        yield
+    finally:
+        for handler in handlers:
+            handler.removeFilter(routine)
+
+
 def enable_live(live: bool) -> None:
     """Ask campaigns started in this process for the live line (the CLI: stderr is a terminal)."""
     global _live

@@ -160,7 +160,7 @@ def _start_prefect_early() -> None:
 
 def _launch(store: str, run_id: str) -> None:
     _quiet_environment()
-    from solrl.flows.progress import enable_live
+    from solrl.flows.progress import enable_live, plain_console
     from solrl.flows.server import prefect_api
     from solrl.flows.sol_rl import campaign
 
@@ -170,7 +170,9 @@ def _launch(store: str, run_id: str) -> None:
         signal.signal(signal.SIGINT, _raise_interrupted)
     resume = f"continue with `{_command('resume', run_id, '--store', store)}`"
     try:
-        with prefect_api():
+        with prefect_api() as temporary, contextlib.ExitStack() as console:
+            if not sys.stderr.isatty():  # a log file: a line per stage and per iteration, not Prefect's routine
+                console.enter_context(plain_console(links=temporary is None))
             campaign(store, run_id)
     except ConfigError as exc:
         _fail(str(exc))
