@@ -126,20 +126,29 @@ _live = False
 #: What Prefect's engine logs at INFO for every flow and task run that the campaign's own lines already carry
 #: (each stage's "committed in" line, each iteration's summary): outside a terminal they doubled a run's log.
 ENGINE_ROUTINE = ("Finished in state Completed()", "Beginning flow run", "Beginning subflow run")
+#: Why Prefect's engine says a flow or task run crashed when Ctrl-C or SIGTERM stopped it: it logs "Crash detected!
+#: <why>" and "Finished in state Crashed('<why>')" for every run the stop ended. A stop is not a crash, and solrl's
+#: own line says how to continue.
+ENGINE_STOPPED = ("Execution was aborted by an interrupt signal.", "Execution was aborted by a termination signal.")
 
 
 class EngineRoutineFilter(logging.Filter):
-    """Drops Prefect's ``ENGINE_ROUTINE`` lines, and without ``links`` its ``View at <url>`` lines (the temporary
-    server's pages are gone once the run ends), from the console; errors, warnings and solrl's lines pass."""
+    """Drops Prefect's ``ENGINE_ROUTINE`` and ``ENGINE_STOPPED`` lines, and without ``links`` its ``View at <url>``
+    lines (the temporary server's pages are gone once the run ends), from the console; other errors, warnings and
+    solrl's lines pass."""
 
     def __init__(self, links: bool) -> None:
         super().__init__()
         self.links = links
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno != logging.INFO or not record.name.startswith("prefect"):
+        if record.levelno not in (logging.INFO, logging.ERROR) or not record.name.startswith("prefect"):
             return True
         message = record.getMessage()
+        if message.startswith(("Crash detected! ", "Finished in state Crashed(")):
+            return not any(why in message for why in ENGINE_STOPPED)
+        if record.levelno == logging.ERROR:
+            return True
         return not (message.startswith(ENGINE_ROUTINE) or (not self.links and message.startswith("View at ")))
 
 

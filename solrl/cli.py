@@ -170,9 +170,7 @@ def _launch(store: str, run_id: str) -> None:
         signal.signal(signal.SIGINT, _raise_interrupted)
     resume = f"continue with `{_command('resume', run_id, '--store', store)}`"
     try:
-        with prefect_api() as temporary, contextlib.ExitStack() as console:
-            if not sys.stderr.isatty():  # a log file: a line per stage and per iteration, not Prefect's routine
-                console.enter_context(plain_console(links=temporary is None))
+        with prefect_api() as temporary, plain_console(links=temporary is None):  # not Prefect's routine lines
             campaign(store, run_id)
     except ConfigError as exc:
         _fail(str(exc))

@@ -80,7 +80,8 @@ def test_what_a_stage_logs_while_it_runs_reaches_its_task_log_and_the_live_line(
 
 def test_outside_a_terminal_the_console_leaves_out_prefects_routine_lines_and_the_ui_keeps_them():
     """A user's finding: piped to a file, a 3-iteration run logged 81 lines, two of Prefect's for every stage
-    ("Finished in state Completed()") and links to the temporary server's pages, gone once the run ends."""
+    ("Finished in state Completed()") and links to the temporary server's pages, gone once the run ends; and a
+    Ctrl-C printed Prefect's "Crash detected!" for every flow and task run it stopped."""
     from prefect.logging.handlers import APILogHandler, PrefectConsoleHandler
 
     from solrl.flows.progress import plain_console
@@ -88,10 +89,18 @@ def test_outside_a_terminal_the_console_leaves_out_prefects_routine_lines_and_th
     def record(message: str, level: int = logging.INFO, name: str = "prefect.task_runs") -> logging.LogRecord:
         return logging.LogRecord(name, level, __file__, 1, message, None, None)
 
-    routine = [record("Finished in state Completed()"), record("Beginning subflow run 'r-iter1' for flow 'x'")]
+    routine = [
+        record("Finished in state Completed()"),
+        record("Beginning subflow run 'r-iter1' for flow 'x'"),
+        # Ctrl-C on a terminal: four of these, the first on the live line, read as a crash (a user's finding)
+        record("Crash detected! Execution was aborted by an interrupt signal.", logging.ERROR),
+        record("Finished in state Crashed('Execution was aborted by a termination signal.')", logging.ERROR),
+        record("Finished in state Crashed('Execution was aborted by a termination signal.')"),
+    ]
     kept = [
         record("iteration 1 explore: committed in 2.70 s"),
         record("Finished in state Failed('Task run encountered an exception')", logging.ERROR),
+        record("Crash detected! Execution was cancelled by the runtime environment.", logging.ERROR),
         record("Finished in state Completed()", name="mlflow"),  # another library's line is its own business
     ]
     link = record("View at http://127.0.0.1:4200/runs/flow-run/1", name="prefect.flow_runs")
@@ -99,7 +108,7 @@ def test_outside_a_terminal_the_console_leaves_out_prefects_routine_lines_and_th
         consoles = [h for h in logging.getLogger().handlers if isinstance(h, PrefectConsoleHandler)]
         assert consoles
         for console in consoles:
-            assert [console.filter(r) for r in [*routine, link]] == [False] * 3
+            assert [console.filter(r) for r in [*routine, link]] == [False] * 6
             assert all(console.filter(r) for r in kept)
         api = [h for h in logging.getLogger("prefect.task_runs").handlers if isinstance(h, APILogHandler)]
         assert api and all(h.filter(r) for h in api for r in routine)  # the Prefect UI gets every line
