@@ -1217,9 +1217,18 @@ def prune(
     except ValueError:  # pydantic's, for a bad --pool (typer checks the counts)
         _fail(f"--pool {pool!r}: give full, latents or rankings")
     rule = cfg.storage.keep_pools
-    kept = "every iteration's pools kept" if rule.last is None else f"keep_pools last={rule.last} every={rule.every}"
+    does = {
+        "full": "keeps every pool whole",
+        "latents": "removes each pool's images",
+        "rankings": "removes each pool's images and latents",
+    }
+    rules = f"storage.pool={cfg.storage.pool} {does[cfg.storage.pool]}"
+    if rule.last is not None:
+        spared = [f"the last {rule.last}"] * bool(rule.last) + [f"every {rule.every}th"] * bool(rule.every)
+        scope = f"all iterations but {' and '.join(spared)}" if spared else "every iteration"
+        rules += f"; keep_pools removes the pool data of {scope}"
     typer.echo(
-        f"run {run_id}: {freed / 2**20:.1f} MiB of pool data removed (pool={cfg.storage.pool}, {kept})"
+        f"run {run_id}: {freed / 2**20:.1f} MiB of pool data removed ({rules})"
         + ("; pruning never adds back what an earlier rule removed" if not freed else "")
     )
     from solrl.storage.audit import broken_manifests

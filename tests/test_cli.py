@@ -294,9 +294,17 @@ def test_prune_names_the_pools_it_left_because_they_fail_verification(tmp_path: 
     store = str(run.run_dir.parent)
     pruned = runner.invoke(app, ["prune", "r", "--store", store, "--keep-last", "0"])
     assert pruned.exit_code == 0 and "0.0 MiB of pool data removed" in pruned.stdout, pruned.output
-    assert "keep_pools last=0 every=0); pruning never adds back what an earlier rule removed" in pruned.stdout
+    assert (
+        "(storage.pool=latents removes each pool's images; keep_pools removes the pool data of every iteration); "
+        "pruning never adds back what an earlier rule removed" in pruned.stdout
+    ), pruned.stdout
     again = runner.invoke(app, ["prune", "r", "--store", store])  # the run's own rule: no keep_pools
-    assert "(pool=latents, every iteration's pools kept)" in again.stdout, again.output
+    assert "(storage.pool=latents removes each pool's images)" in again.stdout, again.output
+    # A user's finding: `--pool rankings` said "every iteration's pools kept" while it removed every pool's data.
+    ranked = runner.invoke(app, ["prune", "r", "--store", store, "--pool", "rankings", "--keep-every", "5"])
+    assert "(storage.pool=rankings removes each pool's images and latents)" in ranked.stdout, ranked.output
+    spared = runner.invoke(app, ["prune", "r", "--store", store, "--keep-last", "2", "--keep-every", "5"])
+    assert "keep_pools removes the pool data of all iterations but the last 2 and every 5th)" in spared.stdout
     assert pruned.stderr == (
         "solrl: warning: left as they are, failing verification (a manifest unreadable or a file of another size): "
         f"iteration 1 explore; `solrl verify r --store {store} --redo` uncommits them and `solrl resume` redoes them\n"
