@@ -18,7 +18,14 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from solrl.config import ConfigError, RunConfig, load_config, refuse_ignored_settings, validate_config
+from solrl.config import (
+    ConfigError,
+    RunConfig,
+    list_presets,
+    load_config,
+    refuse_ignored_settings,
+    validate_config,
+)
 from solrl.weights import check_published_weights
 
 if TYPE_CHECKING:
@@ -30,10 +37,14 @@ app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    rich_markup_mode="markdown",
     help="Sol-RL: FP4 explore, BF16 train. RL post-training of text-to-image flow models.",
 )
 
 StoreOption = Annotated[str, typer.Option("--store", help="Run store (the config's storage.root).")]
+ConfigArgument = Annotated[
+    str | None, typer.Argument(help=f"Preset name ({', '.join(list_presets())}) or YAML path.", show_default=False)
+]
 ForceOption = Annotated[
     bool,
     typer.Option(
@@ -364,7 +375,7 @@ def _check_ready(
 
 @app.command()
 def plan(
-    config: Annotated[str | None, typer.Argument(help="Preset name (configs/*.yaml) or YAML path.")] = None,
+    config: ConfigArgument = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="Override: section.key=value (YAML value).")] = None,
     gpu: Annotated[
         list[str] | None,
@@ -435,7 +446,7 @@ def plan(
 
 @app.command()
 def run(
-    config: Annotated[str | None, typer.Argument(help="Preset name (configs/*.yaml) or YAML path.")] = None,
+    config: ConfigArgument = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="Override: section.key=value (YAML value).")] = None,
     run_id: Annotated[str | None, typer.Option("--run-id", help="Name of the run (default: preset-time-hex).")] = None,
     store: Annotated[
@@ -593,8 +604,15 @@ def resume(
             "streak of alarms after it stops the run again.",
         ),
     ] = False,
+    set_: Annotated[list[str] | None, typer.Option("--set", hidden=True)] = None,
 ) -> None:
     """Continue a run: committed stages are skipped, the first stage without a manifest runs next."""
+    if set_:  # taken only to say why: a resume that read it would no longer compute what the run began
+        _fail(
+            f"--set {set_[0]}: a run resumes with the config it began with (run.json), so its committed stages "
+            "stay valid; more iterations or another setting is a new run: `solrl run CONFIG --set section.key=value` "
+            "(--shards and --past-guard are what a resume takes)"
+        )
     _quiet_environment()  # before the checks (HF_HUB_OFFLINE)
     with _stoppable([run_id, store]), contextlib.ExitStack() as held:
         try:
@@ -1037,9 +1055,9 @@ def verify(
     """Re-hash every committed file of a run against its manifest and name any that differ or cannot be read, and
     any stage not committed before a committed one (exit 1).
 
-    A file's sha256 is computed once, when its stage commits it; campaigns, resumes and audits then hash only the
-    small tables and the checkpoints they read and check the rest by size, so this is where a flipped byte in a
-    pool or a sample is found."""
+    A file's sha256 is computed once, when its stage commits it; campaigns and audits then hash the small tables,
+    the checkpoints and the pools' and samples' Zarr files they read, images excepted, and resumes check sizes, so
+    this is where a flipped byte in an image, or in a file no stage reads again, is found."""
     from rich.progress import Progress
 
     from solrl.storage.runs import open_run, run_lock
@@ -1288,9 +1306,10 @@ def export(
 
     if iteration is None:
         if not committed:
+            resume = _command("resume", run_id, "--store", store)
             _fail(
                 f"run {run_id} has no committed checkpoint"
-                + (f"; {fails_verification(damaged[-1])}" if damaged else " yet")
+                + (f"; {fails_verification(damaged[-1])}" if damaged else f" yet; `{resume}` continues it")
             )
         iteration = committed[-1]
         if damaged and damaged[-1] > iteration:  # the newest is not the one exported: said, not hidden

@@ -1046,7 +1046,10 @@ def _preset_path(source: str | Path, relative_to: Path | None = None) -> Path:
     if not path.exists() and (not path.suffix or preset.exists()):  # a preset name may hold a dot: wan21-t2v-1.3b
         path = preset
         if not path.exists():
-            raise ConfigError(f"no preset or file named {str(source)!r}; presets: {', '.join(list_presets())}")
+            presets = list_presets()
+            near = difflib.get_close_matches(str(source), presets, n=1)
+            hint = f"did you mean {near[0]!r}? " if near else ""
+            raise ConfigError(f"no preset or file named {str(source)!r}; {hint}presets: {', '.join(presets)}")
     return path
 
 

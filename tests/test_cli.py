@@ -446,6 +446,23 @@ def test_a_committed_file_changed_in_place_is_found_by_verify_and_pending_again_
     assert first_pending(ctx0) == (0, "evaluate")
 
 
+def test_a_resume_with_overrides_and_an_export_before_any_checkpoint_say_what_to_do(tmp_path: Path):
+    """A user's findings: ``resume --set`` got Typer's "No such option: --set", and an export of a run stopped
+    before its first checkpoint did not say that resuming makes one."""
+    run = _committed_run(tmp_path)
+    store = str(run.run_dir.parent)
+    overridden = runner.invoke(app, ["resume", "r", "--store", store, "--set", "campaign.iterations=5"])
+    assert overridden.exit_code == 2 and "--set campaign.iterations=5: a run resumes with the config it began" in (
+        overridden.stderr
+    )
+    assert "`solrl run CONFIG --set section.key=value`" in overridden.stderr and "resuming" not in overridden.stdout
+    exported = runner.invoke(app, ["export", "r", "--store", store, "--out", str(tmp_path / "lora")])
+    assert exported.exit_code == 2, exported.output
+    assert exported.stderr.rstrip().endswith(
+        f"has no committed checkpoint yet; `solrl resume r --store {store}` continues it"
+    )
+
+
 def test_no_command_writes_its_output_into_the_runs_own_folder(tmp_path: Path):
     """A breaker's finding: ``export --out`` into a checkpoint folder replaced its LoRA at the same size, and
     ``report --plot`` and ``show --out`` replaced committed figures; only ``verify`` noticed."""

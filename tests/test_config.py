@@ -141,9 +141,11 @@ def test_missing_config_file(tmp_path: Path):
         load_config(tmp_path / "nope.yaml")
 
 
-def test_unknown_preset_lists_presets():
+def test_unknown_preset_lists_presets_and_names_the_nearest():
     with pytest.raises(ConfigError, match="no preset or file named 'nope'; presets: .*tiny-digits"):
         load_config("nope")
+    with pytest.raises(ConfigError, match="'tiny-digit'; did you mean 'tiny-digits'\\? presets: "):  # a user's typo
+        load_config("tiny-digit")
 
 
 def test_malformed_yaml_names_the_line(tmp_path: Path):
