@@ -981,7 +981,8 @@ def inspect(
             table.add_row(*[f"{v:.4f}" if isinstance(v, float) else str(v) for v in row])
         console.print(table)
 
-    stages = Table("stage", "state", "seconds", title=f"run {run_id}, iteration {iteration}", title_justify="left")
+    console.print(f"run {run_id}, iteration {iteration}", style="italic", soft_wrap=True)  # wider than the table
+    stages = Table("stage", "state", "seconds")
     for stage, state in found.states.items():
         seconds = found.seconds.get(stage)
         colour = {"committed": "green", "corrupted": "red", "incomplete": "yellow"}.get(state, "dim")
