@@ -1,9 +1,10 @@
 """What the run store costs at a published preset's pool shape and resolution (issue 36).
 
 Runs the real explore, score_explore, select, regenerate and score_regenerate stages (``run_stage``, and
-``run_shard`` shard by shard with ``--shards 2``) of one iteration whose candidate pool has the published
-preset's shape: its pool size, kept seeds, resolution and latent shape (from the family's own meta adapter).
-Only the model and the reward are stand-ins, and their cost is reported apart from the store's:
+``run_shard`` shard by shard with ``--shards 2``), then reads what the update reads of the regenerated samples
+(their latents, trajectories and log-probs, hashed as they are read), of one iteration whose candidate pool has
+the published preset's shape: its pool size, kept seeds, resolution and latent shape (from the family's own meta
+adapter). Only the model and the reward are stand-ins, and their cost is reported apart from the store's:
 
 - the family ``store-standin`` is tiny-digits' adapter with the preset's latent shape; its velocity is
   ``-x / 10`` (no network call) and its decode spreads each latent over the preset's resolution and adds
@@ -14,7 +15,8 @@ Only the model and the reward are stand-ins, and their cost is reported apart fr
 Each configuration runs in a process of its own (peak RSS is per process). Per stage it reports bytes written
 (``wchar`` of ``/proc/self/io``: every byte this process wrote, temporary folders and shards included), bytes
 read (``rchar``: every byte read, from the page cache or not; on S3 plus the bytes downloaded), bytes hashed
-(sha256 over stored files), seconds (the stand-ins' seconds apart), the peak RSS above the process's RSS before
+(sha256 over stored files, whether read back to hash or hashed as a reader reads them), seconds (the stand-ins'
+seconds apart), the peak RSS above the process's RSS before
 the stage, and what the stage leaves in the store. ``--prompts`` prompts run (4 by default); the published
 iteration (48 prompts) is that times 48 / prompts, every cost here being linear in the prompts.
 
@@ -121,6 +123,17 @@ class Meter:
             return original(path)
 
         stage_module.file_sha256 = counted
+        from solrl.storage.artifacts import CheckingStore
+
+        read = CheckingStore.get
+
+        async def hashed_as_read(store: CheckingStore, key: str, prototype: Any = None, byte_range: Any = None) -> Any:
+            value = await read(store, key, prototype, byte_range)
+            if value is not None and byte_range is None and key in store.sha256:
+                self.hashed += len(value)
+            return value
+
+        CheckingStore.get = hashed_as_read  # what a reader hashes as Zarr reads it (images excepted)
         self.peak = 0
         self._stop = threading.Event()
         threading.Thread(target=self._sample, daemon=True).start()
@@ -250,6 +263,16 @@ def one(args: argparse.Namespace) -> dict[str, Any]:
             size = store_bytes(run.run_dir)
             rows.append({"stage": name if len(shards) == 1 else f"{name} reduce", **row, "grown": size - grown})
             grown = size
+
+        def update_reads() -> None:  # what the update stage reads of the regenerated samples, hashed as read
+            from solrl.storage.artifacts import Samples
+
+            samples = Samples.load(run.run_dir, 1)
+            for array in (samples.latents, samples.trajectory, samples.log_probs, samples.seeds):
+                if array is not None:
+                    np.asarray(array)
+
+        rows.append({"stage": "update's reads", **meter.measure(update_reads, received), "grown": 0})
         if args.prune:  # what the campaign does once the iteration's checkpoint is committed (storage.pool)
             from solrl.storage.artifacts import CandidatePool
 
