@@ -36,6 +36,7 @@ from solrl.storage.stage import (
     changed_file,
     commit_point,
     fetch_file,
+    file_sha256,
     prune,
     read_manifest,
     record_written,
@@ -232,6 +233,10 @@ class ZarrArtifact(Artifact):
         def changed(key: str) -> Exception:
             return changed_file(run_dir, source, cls.stage, f"{cls.filename}/{key}")
 
+        for key, digest in sha256.items():  # the metadata (a few kB) first: Zarr takes a FileNotFoundError (which
+            # StageChanged is) while it opens a group or an array for "not there", and would say only that
+            if key.endswith("zarr.json") and file_sha256(directory / cls.filename / key) != digest:
+                raise changed(key)
         mirrored = locate(run_dir).mirrored
         store = CheckingStore(str(directory / cls.filename), sha256, changed, fetch if mirrored else None)
         artifact = cls.read(directory / cls.filename, store)
