@@ -156,11 +156,10 @@ class EngineRoutineFilter(logging.Filter):
 def plain_console(links: bool) -> Iterator[None]:
     """Within this block Prefect's console handlers (the root logger's, as Prefect's logging config sets them up)
     leave out the engine's routine lines (``EngineRoutineFilter``); the Prefect UI still gets every line."""
-    from prefect.logging.configuration import PROCESS_LOGGING_CONFIG, setup_logging
+    from prefect.logging.configuration import ensure_logging_setup
     from prefect.logging.handlers import PrefectConsoleHandler
 
-    if not PROCESS_LOGGING_CONFIG:
-        setup_logging()
+    ensure_logging_setup()
     routine = EngineRoutineFilter(links)
     handlers = [h for h in logging.getLogger().handlers if isinstance(h, PrefectConsoleHandler)]
     for handler in handlers:

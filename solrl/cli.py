@@ -488,12 +488,11 @@ def run(
         )
         from solrl.storage.runs import run_lock
 
-        with contextlib.ExitStack() as held:
-            try:  # taken before Prefect starts, as `resume` does, and held to the end; the flow finds it held
-                held.enter_context(run_lock(created.run_dir))
-            except ConfigError as exc:
-                _fail(str(exc))
-            _launch(created.store, created.run_id)
+        try:  # taken before Prefect starts, as `resume` does, and held to the end; the flow joins it
+            with run_lock(created.run_dir):
+                _launch(created.store, created.run_id)  # its own ConfigErrors it turns into one line itself
+        except ConfigError as exc:
+            _fail(str(exc))
 
 
 @app.command()

@@ -221,11 +221,9 @@ class ZarrArtifact(Artifact):
 
         directory, manifest = require(run_dir, source, cls.stage, defer=is_chunk)
         unhashed = tuple(f"{name}/" for name in cls.unhashed)
-        sha256 = {
-            key: entry.sha256
-            for rel, entry in manifest.present().items()
-            if (key := rel.removeprefix(chunks)) != rel and not key.startswith(unhashed)
-        }
+        files = {key: e.sha256 for rel, e in manifest.present().items() if (key := rel.removeprefix(chunks)) != rel}
+        metadata = {key: digest for key, digest in files.items() if key.endswith("zarr.json")}
+        sha256 = {key: d for key, d in files.items() if key not in metadata and not key.startswith(unhashed)}
 
         def fetch(key: str) -> None:
             fetch_file(run_dir, source, cls.stage, manifest, f"{cls.filename}/{key}")
@@ -233,9 +231,9 @@ class ZarrArtifact(Artifact):
         def changed(key: str) -> Exception:
             return changed_file(run_dir, source, cls.stage, f"{cls.filename}/{key}")
 
-        for key, digest in sha256.items():  # the metadata (a few kB) first: Zarr takes a FileNotFoundError (which
+        for key, digest in metadata.items():  # hashed before Zarr opens it: Zarr takes a FileNotFoundError (which
             # StageChanged is) while it opens a group or an array for "not there", and would say only that
-            if key.endswith("zarr.json") and file_sha256(directory / cls.filename / key) != digest:
+            if file_sha256(directory / cls.filename / key) != digest:
                 raise changed(key)
         mirrored = locate(run_dir).mirrored
         store = CheckingStore(str(directory / cls.filename), sha256, changed, fetch if mirrored else None)

@@ -117,6 +117,10 @@ TINY = [
     NO_REPORT := "tracking.report=false",
 ]
 REPORT = "tracking.report=true"
+#: The tiny run's overrides as a Prefect UI form's ``overrides`` list (iterations come as their own parameter), with
+#: the report on and no retries (``tests/test_serve.py``, ``tests/test_stack.py``).
+UI_OVERRIDES = [o for o in TINY if not o.startswith(("campaign.iterations", "tracking.report"))]
+UI_OVERRIDES += ["campaign.stage_retries=0", REPORT]
 
 
 #: What the forkserver of the tests' child processes imports once, so each child forks with it loaded: the

@@ -19,17 +19,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import REPORT, TINY, free_port, tiny_config, wait_healthy
+from conftest import UI_OVERRIDES, free_port, tiny_config, wait_healthy
 from fault_injection import FAULT_ENV, fault_env
 
 from solrl.stages.pipeline import campaign_plan
 from solrl.storage.stage import read_manifest
 
 pytestmark = pytest.mark.slow
-
-#: The tiny run's overrides, as the UI form's ``overrides`` list (iterations come as their own parameter).
-OVERRIDES = [o for o in TINY if not o.startswith(("campaign.iterations", "tracking.report"))]
-OVERRIDES += ["campaign.stage_retries=0", REPORT]
 
 
 @pytest.fixture(scope="module")
@@ -167,11 +163,12 @@ def campaigns(prefect, tmp_path_factory: pytest.TempPathFactory) -> dict:
         first = client.create_flow_run_from_deployment(
             deployment.id,
             name="lr-sweep-1",  # the form's Run Name
-            parameters={"overrides": OVERRIDES, "iterations": 2, "store": str(store)},
+            parameters={"overrides": UI_OVERRIDES, "iterations": 2, "store": str(store)},
         )
         _wait_until(client, first.id, lambda state: state.is_running(), "the first campaign never started", prefect)
         second = client.create_flow_run_from_deployment(  # triggered while the first runs: it must wait
-            deployment.id, parameters={"overrides": OVERRIDES, "iterations": 1, "run_id": "served", "store": str(store)}
+            deployment.id,
+            parameters={"overrides": UI_OVERRIDES, "iterations": 1, "run_id": "served", "store": str(store)},
         )
         out["crashed"] = _wait_final(client, first.id)
         run_id = out["first_id"] = f"tiny-digits-{str(first.id)[:8]}"
@@ -193,7 +190,7 @@ def campaigns(prefect, tmp_path_factory: pytest.TempPathFactory) -> dict:
         again = client.create_flow_run_from_deployment(  # the complete run again, asking for more iterations
             deployment.id,
             parameters={
-                "overrides": OVERRIDES,
+                "overrides": UI_OVERRIDES,
                 "base_overrides": ["campaign.iterations=5"],  # as `solrl serve --set` fills it in
                 "iterations": 3,
                 "run_id": "served",

@@ -33,7 +33,7 @@ import httpx
 import psutil
 import pytest
 import yaml
-from conftest import REPORT, TINY, free_port, moto_server, postgres_server, wait_healthy
+from conftest import UI_OVERRIDES, free_port, moto_server, postgres_server, wait_healthy
 
 from solrl.stages.pipeline import campaign_plan
 from solrl.storage.runs import open_run
@@ -43,9 +43,6 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-#: The tiny run's overrides as the UI form's ``overrides`` list (iterations come as their own parameter).
-OVERRIDES = [o for o in TINY if not o.startswith(("campaign.iterations", "tracking.report"))]
-OVERRIDES += ["campaign.stage_retries=0", REPORT]
 #: The automation's window in the tests: twice the workers' heartbeat (30 s, Prefect's least), so a flow-run process
 #: starved of the two cores for half a minute is not taken for dead.
 CRASH_WITHIN = 60
@@ -342,7 +339,7 @@ def campaigns(stack: Stack) -> dict:
         deployment = client.read_deployment_by_name("sol-rl/campaign")
 
         def trigger(iterations: int, *extra: str):
-            parameters = {"overrides": [*OVERRIDES, *extra], "iterations": iterations, "store": store}
+            parameters = {"overrides": [*UI_OVERRIDES, *extra], "iterations": iterations, "store": store}
             return client.create_flow_run_from_deployment(deployment.id, parameters=parameters)
 
         first = trigger(1)
